@@ -1,0 +1,32 @@
+"""The Celery application, configured for at-least-once processing.
+
+* ``task_acks_late``: a message is acked after the task ran, not before, so a
+  worker that dies mid-task leaves it in the queue for another worker.
+* ``task_reject_on_worker_lost``: ... including when the worker process is
+  killed outright (requeued rather than acked).
+* ``worker_prefetch_multiplier = 1``: a worker holds at most one unacked
+  message per process, so a crash redelivers at most that many.
+
+With drain upstream, every copy of a job carries the same task id, so tasks
+that must run effectively once can dedupe on ``self.request.id``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+BROKER_URL = os.environ.get("DRAIN_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+app = Celery("celery_app", broker=BROKER_URL, include=["celery_app.tasks"])
+app.conf.update(
+    task_serializer="json",
+    accept_content=["json"],
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    task_default_queue="celery",
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+)

@@ -1,0 +1,78 @@
+"""Example tasks: a stand-in search index, and a recorder used by the tests.
+
+Both write to Postgres (``CELERY_APP_DATABASE_URL``, falling back to
+``DRAIN_DATABASE_URL``): ``search.index_annotation`` maintains
+``search_index``, the downstream copy a real app would keep in Elasticsearch;
+every task also appends to ``executed_jobs`` so that tests and the demo can see
+exactly what ran, with which arguments and task id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any
+
+import psycopg
+from celery import Task
+
+from celery_app.app import app
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS executed_jobs (
+    seq         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    task_id     uuid NOT NULL,
+    task_name   text NOT NULL,
+    args        jsonb NOT NULL,
+    kwargs      jsonb NOT NULL,
+    executed_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE IF NOT EXISTS search_index (
+    annotation_id bigint PRIMARY KEY,
+    indexed_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
+    times_indexed integer NOT NULL DEFAULT 1
+);
+"""
+
+_local = threading.local()
+
+
+def _conn() -> psycopg.Connection[Any]:
+    conn: psycopg.Connection[Any] | None = getattr(_local, "conn", None)
+    if conn is None or conn.closed:
+        url = os.environ.get("CELERY_APP_DATABASE_URL") or os.environ.get("DRAIN_DATABASE_URL", "")
+        conn = psycopg.connect(url, autocommit=True)
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext('celery_app ddl'))")
+            conn.execute(_DDL)  # type: ignore[arg-type]
+        _local.conn = conn
+    return conn
+
+
+def _record(task: Task, args: Any, kwargs: Any, conn: psycopg.Connection[Any]) -> None:
+    conn.execute(
+        "INSERT INTO executed_jobs (task_id, task_name, args, kwargs) VALUES (%s, %s, %s, %s)",
+        (task.request.id, task.name, json.dumps(list(args)), json.dumps(kwargs)),
+    )
+
+
+@app.task(bind=True, name="search.index_annotation")
+def index_annotation(self: Task, annotation_id: int) -> None:
+    """Index one annotation (here: upsert a row standing in for the search document)."""
+    conn = _conn()
+    with conn.transaction():
+        conn.execute(
+            "INSERT INTO search_index (annotation_id) VALUES (%s) "
+            "ON CONFLICT (annotation_id) DO UPDATE "
+            "SET indexed_at = clock_timestamp(), times_indexed = search_index.times_indexed + 1",
+            (annotation_id,),
+        )
+        _record(self, (), {"annotation_id": annotation_id}, conn)
+
+
+@app.task(bind=True, name="celery_app.record")
+def record(self: Task, *args: Any, **kwargs: Any) -> None:
+    """Do nothing but record that it ran, with what."""
+    conn = _conn()
+    _record(self, args, kwargs, conn)

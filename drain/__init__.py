@@ -1,0 +1,13 @@
+"""drain: a transactionally staged job drain from Postgres to Celery on RabbitMQ.
+
+Stage jobs in your own transaction with :func:`stage` / :func:`stage_many`
+(or a plain ``INSERT INTO staged_jobs``); run ``drain run`` to publish them.
+"""
+
+from __future__ import annotations
+
+from drain.errors import DrainError, StagingError
+from drain.staging import Job, stage, stage_many
+
+__all__ = ["DrainError", "Job", "StagingError", "__version__", "stage", "stage_many"]
+__version__ = "0.1.0"

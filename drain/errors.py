@@ -1,0 +1,44 @@
+"""The exceptions drain raises.
+
+Everything derives from :class:`DrainError`. Driver errors (psycopg, pika) are
+wrapped at the boundary with ``raise ... from exc`` so that callers handle one
+hierarchy, and every message is safe to print: no password ever appears in it.
+"""
+
+from __future__ import annotations
+
+
+class DrainError(Exception):
+    """Root of every error drain raises on purpose."""
+
+
+class ConfigError(DrainError):
+    """A setting is malformed (bad URL, negative batch size...)."""
+
+
+class StagingError(DrainError):
+    """A job cannot be staged: bad task name, arguments that are not JSON..."""
+
+
+class UnsupportedConnection(StagingError):
+    """``stage()`` was given an object it does not know how to execute SQL on."""
+
+
+class DatabaseUnavailable(DrainError):
+    """Postgres cannot be reached, refused the login, or the connection died."""
+
+
+class SchemaMissing(DrainError):
+    """The database has no ``staged_jobs`` table: run ``drain migrate`` first."""
+
+
+class BrokerUnavailable(DrainError):
+    """RabbitMQ cannot be reached, refused the login, or the connection died."""
+
+
+class QueueDeclareRefused(BrokerUnavailable):
+    """The broker refused to declare a queue (406 PRECONDITION_FAILED...).
+
+    Usually the queue already exists with other arguments (``x-max-priority``,
+    ``x-queue-type``) than drain declares it with. The rows stay staged.
+    """

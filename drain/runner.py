@@ -1,0 +1,328 @@
+"""The drain loop: lock, fetch, publish, confirm, delete, commit, repeat.
+
+States and the one log line each change gets:
+
+* connecting to Postgres ("database unreachable ..." once, "database connected");
+* standby: another drain holds the advisory lock ("standby: ...");
+* active: this process holds the lock ("active: took the drain lock");
+* broker down while active ("broker unreachable ...", "broker connected").
+
+Each cycle runs one REPEATABLE READ transaction on the lock's own session:
+fetch up to ``batch_size`` rows, publish them with pipelined confirms, delete
+exactly the rows whose messages were confirmed, commit. A crash anywhere
+leaves each row either staged or confirmed by the broker (at-least-once, same
+task id). When a cycle finds fewer rows than a batch, the drain sleeps until a
+NOTIFY, a signal, or ``poll_interval``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from types import FrameType
+
+import tenacity
+
+from drain import message
+from drain.config import Settings, broker_parameters, mask_url, scrub
+from drain.errors import BrokerUnavailable, DatabaseUnavailable
+from drain.publisher import Batch, Publisher, PublishResult
+from drain.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    STARTING = "starting"
+    DB_DOWN = "database down"
+    STANDBY = "standby"
+    ACTIVE = "active"
+    BROKER_DOWN = "broker down"
+    STOPPING = "stopping"
+
+
+class Drain:
+    """One drain process. :meth:`run` returns when asked to stop."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        exit_when_empty: bool = False,
+        on_cycle: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.exit_when_empty = exit_when_empty
+        self.state = State.STARTING
+        self.published = 0
+        self._on_cycle = on_cycle
+        self._secrets = settings.secrets()
+        self._store = Store(settings)
+        self._publisher = Publisher(
+            broker_parameters(settings.broker_url),
+            display_url=mask_url(settings.broker_url),
+            declare=settings.queue_declare,
+            confirm_timeout=settings.confirm_timeout,
+        )
+        self._builder = message.Builder(origin=message.origin(), reply_to=str(uuid.uuid4()))
+        self._stopping = False
+        self._inflight: Batch | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the loop to stop after the current batch (signal-safe)."""
+        self._stopping = True
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:  # pipe full: a wake-up is already pending
+            pass
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, _frame: FrameType | None) -> None:
+            log.info("received %s: finishing the current batch and exiting",
+                     signal.Signals(signum).name)
+            self.stop()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def run(self) -> None:
+        log.info("drain starting: %s", self.settings.describe())
+        try:
+            while not self._stopping or self._inflight is not None:
+                if self._stopping:
+                    self._settle()
+                    break
+                if not self._store.connected:
+                    self._connect_database()
+                    continue
+                if not self._store.holds_lock:
+                    self._try_lead()
+                    continue
+                if not self._publisher.connected:
+                    self._connect_broker()
+                    continue
+                self._step()
+        finally:
+            self._set_state(State.STOPPING, "drain stopping (published %d this run)",
+                            self.published)
+            self._publisher.close()
+            self._store.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    # -- states ---------------------------------------------------------------------
+
+    def _connect_database(self) -> None:
+        def attempt() -> None:
+            self._store.connect()
+
+        if self._retry(attempt, DatabaseUnavailable, "database"):
+            log.info("database connected")
+
+    def _try_lead(self) -> None:
+        try:
+            if self._store.try_lock():
+                self._set_state(State.ACTIVE, "active: took the drain lock (key %d)",
+                                self.settings.lock_key)
+                return
+        except DatabaseUnavailable as exc:
+            self._database_lost(exc)
+            return
+        self._set_state(State.STANDBY,
+                        "standby: another drain holds the lock (key %d); waiting to take over",
+                        self.settings.lock_key)
+        self._sleep(self.settings.standby_interval)
+
+    def _connect_broker(self) -> None:
+        if self._retry(self._publisher.connect, BrokerUnavailable, "broker"):
+            log.info("broker connected")
+            self.state = State.ACTIVE
+
+    def _step(self) -> None:
+        try:
+            count = self._cycle()
+        except DatabaseUnavailable as exc:
+            self._inflight = None  # its rows stay staged and will be published again
+            self._database_lost(exc)
+            return
+        except BrokerUnavailable as exc:
+            self._broker_lost(exc)
+            return
+        if count < self.settings.batch_size and self._inflight is None:
+            if count == 0 and self.exit_when_empty:
+                log.info("backlog empty: exiting (--exit-when-empty)")
+                self._stopping = True
+                return
+            self._idle()
+
+    def _cycle(self) -> int:
+        """One transaction: publish a new batch, settle the previous one.
+
+        The batch published in transaction k is confirmed while transaction
+        k+1 fetches and publishes the next one, so the broker never waits for
+        Postgres: transaction k+1 then deletes the rows of batch k that the
+        broker confirmed. Rows still in flight are excluded from the fetch.
+        Returns how many rows were fetched.
+        """
+        previous, self._inflight = self._inflight, None
+        current: Batch | None = None
+        start_error: BrokerUnavailable | None = None
+        results: list[PublishResult] = []
+        with self._store.batch():
+            rows = [] if self._stopping else self._store.fetch(
+                self.settings.batch_size, exclude=previous.row_ids if previous else []
+            )
+            if rows:
+                messages = (self._builder.build(row) for row in rows)
+                try:
+                    current = self._publisher.start(
+                        messages, queues={row.queue for row in rows}, count=len(rows)
+                    )
+                except BrokerUnavailable as exc:
+                    start_error = exc
+            if previous is not None:
+                results.append(self._publisher.wait(previous))
+            if current is not None and (start_error or any(r.error for r in results)):
+                # The connection failed: collect what was confirmed before that.
+                results.append(self._publisher.wait(current))
+                current = None
+            confirmed = [row_id for r in results for row_id in r.confirmed]
+            if confirmed:
+                self._store.delete(confirmed)
+        # Committed: the confirmed rows are gone, everything else stays staged.
+        self._inflight = current
+        for result in results:
+            self._account(result)
+        error = start_error or next((r.error for r in results if r.error), None)
+        if error is not None:
+            raise error
+        return len(rows)
+
+    def _account(self, result: PublishResult) -> None:
+        self.published += len(result.confirmed)
+        if result.returned:
+            log.warning(
+                "%d message(s) unroutable (no queue bound for them); their rows stay staged",
+                len(result.returned),
+            )
+        if result.nacked:
+            log.warning("broker nacked %d message(s); their rows stay staged", result.nacked)
+        if self._on_cycle is not None:
+            self._on_cycle(len(result.confirmed) + len(result.returned) + result.nacked,
+                           len(result.confirmed))
+
+    def _settle(self) -> None:
+        """On the way out: wait for the batch in flight and delete what was confirmed."""
+        if not (self._store.connected and self._store.holds_lock):
+            self._inflight = None
+            return
+        try:
+            self._cycle()
+        except (DatabaseUnavailable, BrokerUnavailable) as exc:
+            log.warning("could not settle the last batch (%s); its rows stay staged",
+                        self._clean(exc))
+        self._inflight = None
+
+    def _idle(self) -> None:
+        """Wait for a NOTIFY, a stop request or the poll interval; keep the broker alive."""
+        try:
+            self._store.wait(self.settings.poll_interval, extra_fds=(self._wake_r,))
+        except DatabaseUnavailable as exc:
+            self._database_lost(exc)
+            return
+        self._drain_wake_pipe()
+        try:
+            self._publisher.pump(0.0)
+        except BrokerUnavailable as exc:
+            self._broker_lost(exc)
+
+    # -- failures ---------------------------------------------------------------------
+
+    def _database_lost(self, exc: DatabaseUnavailable) -> None:
+        was_active = self.state is State.ACTIVE
+        self._store.close()
+        self._set_state(State.DB_DOWN, "%s%s", self._clean(exc),
+                        "; lock released, batch rolled back" if was_active else "")
+
+    def _broker_lost(self, exc: BrokerUnavailable) -> None:
+        self._inflight = None  # lost with the connection; its rows stay staged
+        self._publisher.close()
+        self._set_state(State.BROKER_DOWN, "%s; rows stay staged", self._clean(exc))
+
+    def _retry(self, attempt: Callable[[], None], errors: type[Exception], what: str) -> bool:
+        """Call ``attempt`` until it succeeds or the drain stops; True on success."""
+        failures = 0
+
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            nonlocal failures
+            failures += 1
+            exc = state.outcome.exception() if state.outcome else None
+            if failures == 1:
+                self._set_state(
+                    State.DB_DOWN if what == "database" else State.BROKER_DOWN,
+                    "%s; retrying with backoff (up to %gs)", self._clean(exc),
+                    self.settings.max_backoff,
+                )
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(errors),
+            wait=tenacity.wait_exponential(multiplier=0.1, max=self.settings.max_backoff)
+            + tenacity.wait_random(0, 0.2),
+            stop=lambda _state: self._stopping,
+            sleep=self._sleep,
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+        try:
+            retrying(attempt)
+        except errors:
+            return False
+        return True
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _set_state(self, state: State, msg: str, *args: object) -> None:
+        if state is self.state and state is not State.STOPPING:
+            return
+        self.state = state
+        level = logging.WARNING if state in (State.DB_DOWN, State.BROKER_DOWN) else logging.INFO
+        log.log(level, msg, *args)
+
+    def _clean(self, exc: BaseException | None) -> str:
+        return scrub(str(exc), self._secrets) if exc is not None else "unknown error"
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleep, but return at once when asked to stop."""
+        if self._stopping:
+            return
+        import select
+
+        select.select([self._wake_r], [], [], seconds)
+        self._drain_wake_pipe()
+
+    def _drain_wake_pipe(self) -> None:
+        try:
+            while os.read(self._wake_r, 512):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``condition`` until true or ``timeout``; used by the CLI and tests."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()

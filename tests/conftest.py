@@ -1,0 +1,77 @@
+"""Fixtures: a database per test (cloned from a migrated template), queues per test."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from drain import store
+from tests import support
+
+
+@pytest.fixture(scope="session")
+def template_db() -> Iterator[str]:
+    name = f"drain_tpl_{os.getpid()}"
+    with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.execute(f'CREATE DATABASE "{name}"')
+    with psycopg.connect(support.database_url(name)) as conn:
+        store.migrate(conn)
+    yield name
+    with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def db_url(template_db: str) -> Iterator[str]:
+    """A fresh, migrated database for this test only."""
+    name = support.unique("drain_t")
+    with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
+    yield support.database_url(name)
+    with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def empty_db_url() -> Iterator[str]:
+    """A fresh database without the staging schema."""
+    name = support.unique("drain_e")
+    with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    yield support.database_url(name)
+    with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def queue() -> Iterator[str]:
+    """A queue name for this test only; deleted afterwards."""
+    name = support.unique("drain_test")
+    yield name
+    support.delete_queue(name)
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[list[support.Process]]:
+    """Started processes are registered here and always stopped at teardown."""
+    started: list[support.Process] = []
+    yield started
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture
+def spawn(processes: list[support.Process], tmp_path: Path):  # type: ignore[no-untyped-def]
+    counter = iter(range(1000))
+
+    def _spawn(argv: list[str], env: dict[str, str], name: str = "proc") -> support.Process:
+        proc = support.Process(argv, env, tmp_path / f"{name}-{next(counter)}.log")
+        processes.append(proc)
+        return proc
+
+    return _spawn

@@ -1,0 +1,282 @@
+"""Helpers shared by the integration and acceptance tests.
+
+Every test gets its own database (cloned from a migrated template) and its
+own queue names, so tests never see each other's rows or messages. Nothing
+here sleeps to synchronise: waits poll a condition against a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pika
+import psycopg
+
+from drain.config import broker_parameters
+
+ROOT = Path(__file__).resolve().parent.parent
+ADMIN_URL = os.environ.get("DRAIN_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+BROKER_URL = os.environ.get("DRAIN_TEST_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+
+def database_url(name: str) -> str:
+    return ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:10]}"
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll ``condition`` until it returns something truthy; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- broker ------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def broker_channel() -> Iterator[Any]:
+    conn = pika.BlockingConnection(broker_parameters(BROKER_URL))
+    try:
+        yield conn.channel()
+    finally:
+        with contextlib.suppress(Exception):
+            conn.close()
+
+
+def delete_queue(queue: str) -> None:
+    with broker_channel() as ch:
+        ch.queue_delete(queue)
+
+
+def queue_depth(queue: str) -> int:
+    with broker_channel() as ch:
+        try:
+            return int(ch.queue_declare(queue, passive=True).method.message_count)
+        except pika.exceptions.ChannelClosedByBroker:
+            return 0
+
+
+def drain_queue(queue: str, timeout: float = 2.0) -> list[tuple[Any, Any, bytes]]:
+    """Consume (and ack) every message now in ``queue``: [(method, properties, body)]."""
+    out: list[tuple[Any, Any, bytes]] = []
+    with broker_channel() as ch:
+        try:
+            ch.queue_declare(queue, passive=True)
+        except pika.exceptions.ChannelClosedByBroker:
+            return out
+        for method, properties, body in ch.consume(queue, inactivity_timeout=timeout):
+            if method is None:
+                break
+            out.append((method, properties, body))
+            ch.basic_ack(method.delivery_tag)
+        ch.cancel()
+    return out
+
+
+def task_ids(messages: list[tuple[Any, Any, bytes]]) -> list[str]:
+    return [str(p.headers["id"]) for _, p, _ in messages]
+
+
+# -- postgres ----------------------------------------------------------------------
+
+
+def connect(url: str, **kwargs: Any) -> psycopg.Connection[Any]:
+    return psycopg.connect(url, **kwargs)
+
+
+def staged_count(url: str) -> int:
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT count(*) FROM staged_jobs").fetchone()
+        return int(row[0]) if row else 0
+
+
+def executed(url: str) -> list[dict[str, Any]]:
+    """Rows of celery_app's executed_jobs (empty until a worker ran a task)."""
+    with psycopg.connect(url) as conn:
+        exists = conn.execute("SELECT to_regclass('executed_jobs') IS NOT NULL").fetchone()
+        if not exists or not exists[0]:
+            return []
+        cur = conn.execute(
+            "SELECT task_id::text, task_name, args, kwargs FROM executed_jobs ORDER BY seq"
+        )
+        return [
+            {"task_id": r[0], "task_name": r[1], "args": r[2], "kwargs": r[3]}
+            for r in cur.fetchall()
+        ]
+
+
+# -- processes ---------------------------------------------------------------------
+
+
+class Process:
+    """A subprocess whose combined output goes to a file the test can read."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.argv = argv
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_output(self, text: str, timeout: float = 30.0, after: int = 0) -> None:
+        wait_for(
+            lambda: text in self.output()[after:] or self._died(text),
+            timeout,
+            f"{text!r} in the output of {' '.join(self.argv[:4])}",
+        )
+        if text not in self.output()[after:]:
+            raise AssertionError(
+                f"process exited with {self.proc.returncode} before printing {text!r}:\n"
+                + self.output()[-3000:]
+            )
+
+    def _died(self, _text: str) -> bool:
+        return self.proc.poll() is not None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill(signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+
+def drain_env(db_url: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DRAIN_", "PG"))}
+    env.update(
+        DRAIN_DATABASE_URL=db_url,
+        DRAIN_BROKER_URL=BROKER_URL,
+        CELERY_APP_DATABASE_URL=db_url,
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+def drain_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "drain", *args]
+
+
+def celery_argv(queue: str) -> list[str]:
+    return [
+        sys.executable, "-m", "celery", "-A", "celery_app", "worker", "-Q", queue,
+        "-P", "solo", "--without-gossip", "--without-mingle", "--without-heartbeat",
+        "-l", "info", "-n", f"{queue}@%h",
+    ]
+
+
+# -- a TCP proxy for cutting and restoring connections -------------------------------------
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:<port> to a target; can refuse, cut and restore connections."""
+
+    def __init__(self, target_port: int, port: int | None = None) -> None:
+        self.target = ("127.0.0.1", target_port)
+        self.port = port or free_port()
+        self._server: socket.socket | None = None
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def start(self) -> TcpProxy:
+        server = socket.socket()
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", self.port))
+        server.listen(64)
+        self._server = server
+        threading.Thread(target=self._accept, args=(server,), daemon=True).start()
+        return self
+
+    def _accept(self, server: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = server.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        """Drop every open connection (new ones are still accepted)."""
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        self.cut()
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value)

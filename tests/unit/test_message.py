@@ -1,0 +1,139 @@
+"""Building Celery protocol v2 messages from staged rows (pure logic)."""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from typing import Any
+
+import pika
+import pytest
+from celery.utils.saferepr import saferepr
+
+from drain import amqp, message
+
+HEADER_ORDER = [
+    "lang", "task", "id", "shadow", "eta", "expires", "group", "group_index", "retries",
+    "timelimit", "root_id", "parent_id", "argsrepr", "kwargsrepr", "origin", "ignore_result",
+    "replaced_task_nesting", "stamped_headers", "stamps",
+]
+
+
+def _row(args: Any = (1, "a"), kwargs: Any = None, **overrides: Any) -> message.StagedRow:
+    fields: dict[str, Any] = {
+        "id": 7,
+        "task_id": uuid.UUID("12345678-1234-5678-1234-567812345678"),
+        "task_name": "search.index_annotation",
+        "args_json": json.dumps(list(args)),
+        "kwargs_json": json.dumps(kwargs or {"annotation_id": 42}),
+        "queue": "celery",
+    }
+    fields.update(overrides)
+    return message.StagedRow(**fields)
+
+
+def test_protocol_v2_shape() -> None:
+    m = message.build(_row(), origin="gen1@host", reply_to="r")
+    assert list(m.headers) == HEADER_ORDER
+    assert m.headers["id"] == m.headers["root_id"] == "12345678-1234-5678-1234-567812345678"
+    assert m.headers["task"] == "search.index_annotation"
+    assert m.headers["timelimit"] == [None, None]
+    assert m.properties["correlation_id"] == m.task_id
+    assert m.properties["content_type"] == "application/json"
+    assert m.properties["delivery_mode"] == 2
+    body = json.loads(m.body)
+    assert body == [[1, "a"], {"annotation_id": 42},
+                    {"callbacks": None, "errbacks": None, "chain": None, "chord": None}]
+    assert m.routing_key == "celery"
+    assert m.row_id == 7
+
+
+def test_body_is_bytes_for_bytes_what_kombu_would_send() -> None:
+    from kombu.utils.json import dumps
+
+    args, kwargs = [1, "é☃\U0001f600\u2028", [2.5, None]], {"b": True, "a": {"x": []}}
+    row = _row(args_json=json.dumps(args, ensure_ascii=False),  # as Postgres prints jsonb
+               kwargs_json=json.dumps(kwargs, ensure_ascii=False))
+    m = message.build(row, origin="o", reply_to="r")
+    embed = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+    assert m.body == dumps([args, kwargs, embed]).encode()
+    assert json.loads(m.body) == [args, kwargs, embed]
+
+
+def _random_value(rng: random.Random, depth: int) -> Any:
+    pick = rng.randrange(9 if depth < 5 else 6)
+    alphabet = "abc xyz'\"\\\né☃\t"
+    if pick == 0:
+        return rng.randrange(-(2**40), 2**40)
+    if pick == 1:
+        return rng.random() * 1000
+    if pick == 2:
+        return rng.choice([True, False, None])
+    if pick in (3, 4, 5):
+        return "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 8 if pick < 5 else 700)))
+    if pick in (6, 7):
+        return [_random_value(rng, depth + 1) for _ in range(rng.randrange(0, 4))]
+    return {
+        "".join(rng.choice(alphabet) for _ in range(3)): _random_value(rng, depth + 1)
+        for _ in range(rng.randrange(0, 4))
+    }
+
+
+def test_task_repr_equals_celery_saferepr() -> None:
+    rng = random.Random(20261122)
+    for _ in range(3000):
+        value: Any = (
+            [_random_value(rng, 1) for _ in range(rng.randrange(0, 4))]
+            if rng.random() < 0.5
+            else {f"k{i}": _random_value(rng, 1) for i in range(rng.randrange(0, 4))}
+        )
+        value = json.loads(json.dumps(value))  # exactly what comes out of jsonb
+        assert message.task_repr(value) == saferepr(value, 1024, maxlevels=3), value
+
+
+@pytest.mark.parametrize(
+    "value",
+    [[], {}, [1, "a"], {"a": {"b": {"c": {"d": 1}}}}, ["x" * 5000], ["it's"], ["\n"]],
+)
+def test_task_repr_edge_cases(value: Any) -> None:
+    assert message.task_repr(value) == saferepr(value, 1024, maxlevels=3)
+
+
+def test_encoded_properties_match_pika_byte_for_byte() -> None:
+    rng = random.Random(7)
+    for i in range(300):
+        args = [_random_value(rng, 1) for _ in range(rng.randrange(0, 3))]
+        kwargs = {"n": rng.randrange(-(2**63), 2**63), "i": i, "x": _random_value(rng, 1)}
+        m = message.build(
+            _row(args, kwargs, task_name=f"t.{i}é"), origin=f"gen{i}@h", reply_to=str(uuid.uuid4())
+        )
+        reference = pika.BasicProperties(headers=m.headers, **m.properties).encode()
+        assert m.encoded_properties == b"".join(reference)
+
+
+def test_encoded_properties_refuse_long_short_strings() -> None:
+    with pytest.raises(pika.exceptions.ShortStringTooLong):
+        amqp.shortstr("x" * 256)
+
+
+def test_origin_names_this_process() -> None:
+    import os
+
+    assert message.origin().startswith(f"gen{os.getpid()}@")
+
+
+def test_builder_template_matches_generic_encoding() -> None:
+    rng = random.Random(11)
+    builder = message.Builder(origin="gen42@host.example", reply_to=str(uuid.uuid4()))
+    for i in range(300):
+        row = _row(
+            [_random_value(rng, 1)], {"k": _random_value(rng, 1)}, task_name=f"t.é{i}",
+            task_id=uuid.uuid4(),
+        )
+        fast = builder.build(row)
+        slow = message.build(row, origin=builder.origin, reply_to=builder.reply_to)
+        assert fast.encoded_properties == slow.encoded_properties
+        assert fast.encoded_properties == b"".join(
+            pika.BasicProperties(headers=fast.headers, **fast.properties).encode()
+        )

@@ -1,0 +1,32 @@
+"""The query file parser and the set of queries (pure logic)."""
+
+from __future__ import annotations
+
+import pytest
+
+from drain import sql
+
+
+def test_parse() -> None:
+    text = "-- intro\n-- name: a\nSELECT 1;\n\n-- name: b\n-- comment\nSELECT 2;\n"
+    assert sql.parse(text) == {"a": "SELECT 1;", "b": "-- comment\nSELECT 2;"}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("-- name: a\nSELECT 1;\n-- name: a\nSELECT 2;", "twice"), ("-- name: a\n\n", "empty")],
+)
+def test_parse_errors(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        sql.parse(text)
+
+
+def test_query_names() -> None:
+    assert set(sql.queries()) == {
+        "schema_present", "try_lock", "unlock", "listen", "fetch_batch", "delete_confirmed",
+        "backlog", "lock_holder", "set_application_name",
+    }
+
+
+def test_packaged_schema_is_the_canonical_file() -> None:
+    assert sql.schema_text() == sql.schema_path().read_text("utf-8")
