@@ -19,6 +19,7 @@ Prints a table with rates and ratios. Never run by the tests.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -205,10 +206,8 @@ def main() -> int:
         delete_queue(queues["celery"])
     finally:
         for q in queues.values():
-            try:
+            with contextlib.suppress(Exception):
                 delete_queue(q)
-            except Exception:  # noqa: BLE001, S110
-                pass
         drop_database(db)
 
     rates = {name: count / seconds for name, (count, seconds) in results.items()}

@@ -45,7 +45,7 @@ def _conn() -> psycopg.Connection[Any]:
         conn = psycopg.connect(url, autocommit=True)
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(hashtext('celery_app ddl'))")
-            conn.execute(_DDL)  # type: ignore[arg-type]
+            conn.execute(_DDL)
         _local.conn = conn
     return conn
 

@@ -41,7 +41,7 @@ class EncodedProperties(pika.BasicProperties):  # type: ignore[misc]
     attribute-per-field constructor of the parent is skipped on purpose.
     """
 
-    def __init__(self, encoded: bytes) -> None:  # noqa: D107 - no super(): see class doc
+    def __init__(self, encoded: bytes) -> None:
         self._encoded = encoded
 
     def encode(self) -> list[bytes]:
@@ -95,7 +95,7 @@ def field(value: Any) -> bytes:
     """One AMQP field value, typed exactly as pika types it."""
     kind = type(value)
     if kind is str:
-        raw = value.encode()
+        raw: bytes = value.encode()
         return b"S" + _pack_I(len(raw)) + raw
     if value is None:
         return b"V"

@@ -189,7 +189,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from drain.runner import Drain
+    from drain.runner import Drain  # noqa: PLC0415 - pika and celery load only for `run`
 
     drain = Drain(_settings(args), exit_when_empty=args.exit_when_empty)
     drain.install_signal_handlers()
@@ -198,7 +198,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    from drain.staging import stage
+    from drain.staging import stage  # noqa: PLC0415
 
     job_args = _json_arg("--args", args.args)
     job_kwargs = _json_arg("--kwargs", args.kwargs)
@@ -271,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return func(args)
     except KeyboardInterrupt:
         return Exit.OK
-    except Exception as exc:  # noqa: BLE001 - the one place that turns errors into exit codes
+    except Exception as exc:
         code = next((c for t, c in _EXIT_CODES if isinstance(exc, t)), Exit.ERROR)
         if args.verbose:
             log.exception("drain %s failed", args.command)

@@ -102,7 +102,7 @@ class Settings:
         found = []
         try:
             password = conninfo.conninfo_to_dict(self.database_url).get("password")
-        except Exception:  # noqa: BLE001 - validated in __post_init__
+        except Exception:
             password = None
         if password:
             found.append(str(password))
@@ -146,11 +146,16 @@ def scrub(text: str, secrets: list[str]) -> str:
 def database_conninfo(dsn: str) -> str:
     """Validate a libpq connection string or URL (empty means libpq defaults)."""
     try:
-        conninfo.conninfo_to_dict(dsn)
+        params = conninfo.conninfo_to_dict(dsn)
     except Exception as exc:
         raise ConfigError(
             f"malformed database URL {mask_database_url(dsn)}: {_first_line(exc)}"
         ) from None
+    for port in str(params.get("port") or "").split(","):
+        if port and not port.strip().isdigit():
+            raise ConfigError(
+                f"malformed database URL {mask_database_url(dsn)}: port {port!r} is not a number"
+            )
     return dsn
 
 

@@ -173,7 +173,7 @@ def task_repr(value: Any) -> str:
         text = repr(value)
         if len(text) <= REPR_MAXSIZE:
             return text
-    return saferepr(value, REPR_MAXSIZE, maxlevels=REPR_MAXLEVELS)
+    return str(saferepr(value, REPR_MAXSIZE, maxlevels=REPR_MAXLEVELS))
 
 
 def _plain(value: Any, level: int) -> bool:

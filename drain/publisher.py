@@ -28,6 +28,7 @@ import pika.exceptions
 from pika.adapters.select_connection import SelectConnection
 
 from drain.amqp import EncodedProperties
+from drain.config import scrub
 from drain.errors import BrokerUnavailable, QueueDeclareRefused
 from drain.message import Message
 
@@ -78,8 +79,10 @@ class Publisher:
         declare: str = "celery",
         confirm_timeout: float = 30.0,
         connect_timeout: float = 10.0,
+        secrets: list[str] | None = None,
     ) -> None:
         self._parameters = parameters
+        self._secrets = secrets or []
         self._display_url = display_url
         self._declare_mode = declare
         self._confirm_timeout = confirm_timeout
@@ -122,8 +125,8 @@ class Publisher:
                 on_open_error_callback=self._on_connection_open_error,
                 on_close_callback=self._on_connection_closed,
             )
-        except Exception as exc:  # noqa: BLE001 - pika raises assorted types here
-            raise BrokerUnavailable(f"broker at {self._display_url}: {_describe(exc)}") from None
+        except Exception as exc:
+            raise BrokerUnavailable(f"broker at {self._display_url}: {self._text(exc)}") from None
         finished = self._run_until(
             lambda: self._ready or self._failure is not None, self._connect_timeout
         )
@@ -147,11 +150,11 @@ class Publisher:
                     handle = conn.ioloop.call_later(0.05, conn.ioloop.stop)
                     conn.ioloop.start()
                     conn.ioloop.remove_timeout(handle)
-        except Exception:  # noqa: BLE001 - closing a broken connection is best effort
+        except Exception:
             log.debug("error while closing the broker connection", exc_info=True)
         try:
             conn.ioloop.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.debug("error while closing the broker I/O loop", exc_info=True)
 
     def pump(self, seconds: float = 0.0) -> None:
@@ -194,8 +197,8 @@ class Publisher:
                     properties=EncodedProperties(m.encoded_properties),
                     mandatory=True,
                 )
-        except Exception as exc:  # noqa: BLE001 - channel closed under us, encoder errors
-            self._failure = self._failure or _describe(exc)
+        except Exception as exc:
+            self._failure = self._failure or self._text(exc)
         return batch
 
     def wait(self, batch: Batch) -> PublishResult:
@@ -285,12 +288,12 @@ class Publisher:
         conn.channel(on_open_callback=self._on_channel_open)
 
     def _on_connection_open_error(self, _conn: SelectConnection, exc: BaseException) -> None:
-        self._failure = _describe(exc)
+        self._failure = self._text(exc)
         self._wake()
 
     def _on_connection_closed(self, _conn: SelectConnection, exc: BaseException) -> None:
         if self._failure is None:
-            self._failure = _describe(exc)
+            self._failure = self._text(exc)
         self._ready = False
         self._wake()
 
@@ -306,7 +309,7 @@ class Publisher:
 
     def _on_channel_closed(self, _channel: Any, exc: BaseException) -> None:
         if self._failure is None:
-            self._failure = _describe(exc)
+            self._failure = self._text(exc)
         self._ready = False
         self._wake()
 
@@ -339,7 +342,9 @@ class Publisher:
         if self._done() and self._conn is not None:
             self._conn.ioloop.stop()
 
-    def _run_until(self, done: Callable[[], bool], timeout: float, *, run_once: bool = False) -> bool:
+    def _run_until(
+        self, done: Callable[[], bool], timeout: float, *, run_once: bool = False
+    ) -> bool:
         """Turn the I/O loop until ``done()`` or ``timeout``; True when done."""
         conn = self._conn
         if conn is None:
@@ -363,6 +368,9 @@ class Publisher:
         finally:
             self._done = lambda: True
 
+    def _text(self, exc: BaseException) -> str:
+        return scrub(_describe(exc), self._secrets)
+
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
             failure = self._failure
@@ -372,7 +380,13 @@ class Publisher:
 
 
 def _describe(exc: BaseException) -> str:
-    """A short, password-free description of a pika error."""
+    """A short description of a pika error (callers scrub secrets from it)."""
+    nested = getattr(exc, "exceptions", None)  # AMQPConnectionWorkflowFailed
+    if nested:
+        return _describe(nested[-1])
+    inner = getattr(exc, "exception", None)  # AMQPConnector*Error
+    if isinstance(inner, BaseException):
+        return _describe(inner)
     if isinstance(exc, pika.exceptions.ChannelClosedByBroker):
         return f"{exc.reply_code} {exc.reply_text}"
     if isinstance(exc, pika.exceptions.ConnectionClosedByBroker):

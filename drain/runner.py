@@ -17,9 +17,11 @@ NOTIFY, a signal, or ``poll_interval``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
+import select
 import signal
 import time
 import uuid
@@ -30,7 +32,7 @@ import tenacity
 
 from drain import message
 from drain.config import Settings, broker_parameters, mask_url, scrub
-from drain.errors import BrokerUnavailable, DatabaseUnavailable
+from drain.errors import BrokerUnavailable, DatabaseUnavailable, DrainError
 from drain.publisher import Batch, Publisher, PublishResult
 from drain.store import Store
 
@@ -68,6 +70,7 @@ class Drain:
             display_url=mask_url(settings.broker_url),
             declare=settings.queue_declare,
             confirm_timeout=settings.confirm_timeout,
+            secrets=self._secrets,
         )
         self._builder = message.Builder(origin=message.origin(), reply_to=str(uuid.uuid4()))
         self._stopping = False
@@ -81,10 +84,8 @@ class Drain:
     def stop(self) -> None:
         """Ask the loop to stop after the current batch (signal-safe)."""
         self._stopping = True
-        try:
+        with contextlib.suppress(OSError):  # pipe full: a wake-up is already pending
             os.write(self._wake_w, b"x")
-        except OSError:  # pipe full: a wake-up is already pending
-            pass
 
     def install_signal_handlers(self) -> None:
         def handler(signum: int, _frame: FrameType | None) -> None:
@@ -299,14 +300,16 @@ class Drain:
         log.log(level, msg, *args)
 
     def _clean(self, exc: BaseException | None) -> str:
-        return scrub(str(exc), self._secrets) if exc is not None else "unknown error"
+        # DrainErrors are built from masked URLs and scrubbed driver text already;
+        # scrubbing again would also mask a user name that equals the password.
+        if exc is None:
+            return "unknown error"
+        return str(exc) if isinstance(exc, DrainError) else scrub(str(exc), self._secrets)
 
     def _sleep(self, seconds: float) -> None:
         """Sleep, but return at once when asked to stop."""
         if self._stopping:
             return
-        import select
-
         select.select([self._wake_r], [], [], seconds)
         self._drain_wake_pipe()
 

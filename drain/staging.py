@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -32,6 +33,10 @@ from drain.errors import StagingError, UnsupportedConnection
 DEFAULT_QUEUE = "celery"
 _COLUMNS = ("task_id", "task_name", "args", "kwargs", "queue")
 _MULTI_ROW_CHUNK = 500
+# A \u0000 escape in JSON text: preceded by an even number of backslashes, so
+# that a string holding a literal backslash followed by "u0000" is not taken
+# for a NUL.
+_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +139,7 @@ def _row(
 ) -> _Row:
     if not isinstance(task_name, str) or not task_name.strip():
         raise StagingError(f"task name must be a non-empty string, got {task_name!r}")
-    if len(task_name.encode()) > 1024:
+    if len(_text("task name", task_name)) > 1024:
         raise StagingError(f"task name is longer than 1024 bytes: {task_name[:40]!r}...")
     if args is None:
         args = ()
@@ -151,7 +156,7 @@ def _row(
         raise StagingError(f"kwargs for {task_name} must have string keys, got {bad_keys[0]!r}")
     if queue is None:
         queue = DEFAULT_QUEUE
-    if not isinstance(queue, str) or not 1 <= len(queue.encode()) <= 255:
+    if not isinstance(queue, str) or not 1 <= len(_text(f"queue for {task_name}", queue)) <= 255:
         raise StagingError(f"queue for {task_name} must be a string of 1 to 255 bytes")
     if task_id is None:
         task_id = uuid.uuid4()
@@ -177,9 +182,20 @@ def _json(task_name: str, what: str, value: Any) -> str:
             f"{what} for {task_name} are not JSON-serialisable: {exc}; "
             "convert them to lists, dicts, strings, numbers, booleans or None"
         ) from None
-    if "\\u0000" in text:
+    if _JSON_NUL.search(text):
         raise StagingError(f"{what} for {task_name} contain a NUL character, which jsonb refuses")
+    _text(f"{what} for {task_name}", text)
     return text
+
+
+def _text(what: str, value: str) -> bytes:
+    """``value`` as UTF-8; refuses what Postgres text cannot hold (NUL, lone surrogates)."""
+    if "\x00" in value:
+        raise StagingError(f"{what} contains a NUL character, which Postgres refuses")
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise StagingError(f"{what} is not valid Unicode text: {exc.reason}") from None
 
 
 # -- execution ---------------------------------------------------------------------
@@ -205,7 +221,8 @@ def _insert_sql(count: int, style: str) -> str:
         f"{placeholder('queue', i)})"
         for i in range(count)
     )
-    return f"INSERT INTO staged_jobs ({', '.join(_COLUMNS)}) VALUES {values}"
+    # Only constant column names and generated placeholders: no value is pasted in.
+    return f"INSERT INTO staged_jobs ({', '.join(_COLUMNS)}) VALUES {values}"  # noqa: S608
 
 
 def _params(rows: list[_Row]) -> dict[str, str]:
@@ -218,7 +235,7 @@ def _params(rows: list[_Row]) -> dict[str, str]:
 def _execute_insert(conn: Any, rows: list[_Row]) -> None:
     params = _params(rows)
     if _is_sqlalchemy(conn):
-        from sqlalchemy import text
+        from sqlalchemy import text  # noqa: PLC0415 - SQLAlchemy is optional
 
         conn.execute(text(_insert_sql(len(rows), "named")), params)
         return

@@ -13,8 +13,10 @@ import contextlib
 import datetime as dt
 import logging
 import os
+import select
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import psycopg.errors
@@ -145,8 +147,6 @@ class Store:
 
     def wait(self, timeout: float, extra_fds: tuple[int, ...] = ()) -> bool:
         """Wait up to ``timeout`` for a NOTIFY; True when one arrived."""
-        import select
-
         conn = self._require()
         if self._notified(conn):
             return True
@@ -170,7 +170,7 @@ class Store:
     ) -> psycopg.Cursor[tuple[object, ...]]:
         conn = self._require()
         try:
-            return conn.execute(sql.query(name), params)  # type: ignore[arg-type]
+            return conn.execute(sql.query(name), params)
         except psycopg.errors.InsufficientPrivilege as exc:
             raise DrainError(
                 f"database {self._display}: {first_line(exc)} (grant the drain's role "
@@ -205,7 +205,9 @@ def first_line(exc: BaseException) -> str:
 def connect_plain(settings: Settings) -> psycopg.Connection[tuple[object, ...]]:
     """A short-lived connection for operator commands (migrate, status, stage)."""
     try:
-        return psycopg.connect(settings.database_url, connect_timeout=5, application_name="drain cli")
+        return psycopg.connect(
+            settings.database_url, connect_timeout=5, application_name="drain cli"
+        )
     except psycopg.Error as exc:
         raise DatabaseUnavailable(
             f"database {mask_database_url(settings.database_url)} unreachable: "
@@ -218,10 +220,10 @@ def migrate(conn: psycopg.Connection[tuple[object, ...]]) -> None:
     with conn.transaction():
         # Two migrations at once would race on CREATE ... IF NOT EXISTS.
         conn.execute("SELECT pg_advisory_xact_lock(hashtext('drain migrate'))")
-        conn.execute(psql.SQL(sql.schema_text()))  # type: ignore[arg-type]
+        conn.execute(psql.SQL(sql.schema_text()))
 
 
-def status(conn: psycopg.Connection[tuple[object, ...]], lock_key: int) -> dict[str, object]:
+def status(conn: psycopg.Connection[tuple[object, ...]], lock_key: int) -> dict[str, Any]:
     """Backlog, oldest staged age and the lock holder, as ``drain status`` shows them."""
     try:
         row = conn.execute(sql.query("backlog")).fetchone()
@@ -229,7 +231,7 @@ def status(conn: psycopg.Connection[tuple[object, ...]], lock_key: int) -> dict[
     except psycopg.errors.UndefinedTable:
         raise SchemaMissing("no staged_jobs table: run `drain migrate` first") from None
     backlog, oldest = row if row else (0, None)
-    lock: dict[str, object] = {"held": False, "key": lock_key}
+    lock: dict[str, Any] = {"held": False, "key": lock_key}
     if holder is not None:
         pid, app_name, client_addr, _backend_start = holder
         fields = dict(

@@ -39,7 +39,9 @@ def unique(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:10]}"
 
 
-def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+def wait_for(
+    condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05
+) -> Any:
     """Poll ``condition`` until it returns something truthy; fail after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
@@ -202,6 +204,16 @@ def drain_env(db_url: str, **extra: str) -> dict[str, str]:
 
 def drain_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "drain", *args]
+
+
+def run_cli(
+    db_url: str, *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """Run ``drain ARGS`` to completion and capture its output."""
+    return subprocess.run(
+        drain_argv(*args), env=env or drain_env(db_url), capture_output=True, text=True,
+        timeout=timeout, cwd=ROOT, check=False, stdin=subprocess.DEVNULL,
+    )
 
 
 def celery_argv(queue: str) -> list[str]:

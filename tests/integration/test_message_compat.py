@@ -37,7 +37,8 @@ def _get_one(queue: str) -> tuple[Any, Any, bytes]:
         lambda: support.drain_queue(queue, timeout=0.5), 10, f"a message in {queue}"
     )
     assert len(messages) == 1, f"expected one message, got {len(messages)}"
-    return messages[0]
+    first: tuple[Any, Any, bytes] = messages[0]
+    return first
 
 
 def _drain_message(db_url: str, queue: str, task_id: uuid.UUID) -> tuple[Any, Any, bytes]:

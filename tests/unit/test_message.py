@@ -71,7 +71,8 @@ def _random_value(rng: random.Random, depth: int) -> Any:
     if pick == 2:
         return rng.choice([True, False, None])
     if pick in (3, 4, 5):
-        return "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 8 if pick < 5 else 700)))
+        length = rng.randrange(0, 8 if pick < 5 else 700)
+        return "".join(rng.choice(alphabet) for _ in range(length))
     if pick in (6, 7):
         return [_random_value(rng, depth + 1) for _ in range(rng.randrange(0, 4))]
     return {

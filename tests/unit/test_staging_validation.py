@@ -88,5 +88,5 @@ def test_dbapi_statement_and_params() -> None:
 
 
 def test_unsupported_connection() -> None:
-    with pytest.raises(UnsupportedConnection, match="cannot stage on a builtins.str"):
+    with pytest.raises(UnsupportedConnection, match=r"cannot stage on a builtins\.str"):
         drain.stage("not a connection", "t")
