@@ -42,7 +42,7 @@ CREATE TABLE IF NOT EXISTS staged_jobs (
 
     -- Rows that could never become a valid Celery message are refused at
     -- INSERT time, so the app's own transaction fails instead of the drain.
-    CONSTRAINT staged_jobs_task_name_not_blank CHECK (btrim(task_name) <> ''),
+    CONSTRAINT staged_jobs_task_name_not_blank CHECK (task_name ~ '[^[:space:]]'),
     CONSTRAINT staged_jobs_task_name_length CHECK (octet_length(task_name) <= 1024),
     CONSTRAINT staged_jobs_args_is_array CHECK (jsonb_typeof(args) = 'array'),
     CONSTRAINT staged_jobs_kwargs_is_object CHECK (jsonb_typeof(kwargs) = 'object'),

@@ -22,6 +22,7 @@ else raises :class:`~drain.errors.StagingError` before any SQL is run.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import re
 import uuid
@@ -119,6 +120,7 @@ def stage_many(conn: Any, jobs: Iterable[Job | Mapping[str, Any]]) -> list[uuid.
             )
         )
     if rows:
+        _refuse_async(conn)
         if _is_psycopg(conn):
             _copy(conn, rows)
         else:
@@ -232,7 +234,18 @@ def _params(rows: list[_Row]) -> dict[str, str]:
     return params
 
 
+def _refuse_async(conn: Any) -> None:
+    """An async connection's execute() returns a coroutine: nothing would be written."""
+    if inspect.iscoroutinefunction(getattr(conn, "execute", None)):
+        raise UnsupportedConnection(
+            f"cannot stage on {type(conn).__module__}.{type(conn).__name__}: it is asynchronous "
+            "and stage() is not; run it on a synchronous connection (or through "
+            "AsyncSession.run_sync / AsyncConnection.run_sync in SQLAlchemy)"
+        )
+
+
 def _execute_insert(conn: Any, rows: list[_Row]) -> None:
+    _refuse_async(conn)
     params = _params(rows)
     if _is_sqlalchemy(conn):
         from sqlalchemy import text  # noqa: PLC0415 - SQLAlchemy is optional

@@ -90,3 +90,20 @@ def test_dbapi_statement_and_params() -> None:
 def test_unsupported_connection() -> None:
     with pytest.raises(UnsupportedConnection, match=r"cannot stage on a builtins\.str"):
         drain.stage("not a connection", "t")
+
+
+class AsyncConnection:
+    """Stands in for psycopg's / SQLAlchemy's async connections."""
+
+    async def execute(self, statement: str, params: Any = None) -> None:  # pragma: no cover
+        raise AssertionError("must not be called")
+
+    def cursor(self) -> RecordingCursor:  # pragma: no cover
+        raise AssertionError("must not be called")
+
+
+def test_async_connections_are_refused_not_silently_ignored() -> None:
+    with pytest.raises(UnsupportedConnection, match="asynchronous"):
+        drain.stage(AsyncConnection(), "t")
+    with pytest.raises(UnsupportedConnection, match="asynchronous"):
+        drain.stage_many(AsyncConnection(), [drain.Job("t")])
