@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,7 +71,10 @@ def spawn(processes: list[support.Process], tmp_path: Path):  # type: ignore[no-
     counter = iter(range(1000))
 
     def _spawn(argv: list[str], env: dict[str, str], name: str = "proc") -> support.Process:
-        proc = support.Process(argv, env, tmp_path / f"{name}-{next(counter)}.log")
+        # An idle Celery 5.7 solo worker takes ~12 s to honour SIGTERM or SIGQUIT here;
+        # a test's worker is only a consumer of a queue deleted at teardown: kill it.
+        stop_signal = signal.SIGKILL if "celery" in argv else signal.SIGTERM
+        proc = support.Process(argv, env, tmp_path / f"{name}-{next(counter)}.log", stop_signal)
         processes.append(proc)
         return proc
 

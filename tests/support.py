@@ -140,8 +140,12 @@ def executed(url: str) -> list[dict[str, Any]]:
 class Process:
     """A subprocess whose combined output goes to a file the test can read."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(
+        self, argv: list[str], env: dict[str, str], log_path: Path,
+        stop_signal: int = signal.SIGTERM,
+    ) -> None:
         self.argv = argv
+        self.stop_signal = stop_signal
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
@@ -181,7 +185,7 @@ class Process:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.kill(signal.SIGTERM)
+            self.kill(self.stop_signal)
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
@@ -273,6 +277,7 @@ class TcpProxy:
             for s in (src, dst):
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
+            src.close()  # each direction's thread closes the socket it reads from
 
     def cut(self) -> None:
         """Drop every open connection (new ones are still accepted)."""
