@@ -1,0 +1,206 @@
+#!/usr/bin/env bash
+# Make sure Postgres and RabbitMQ answer where drain's tests, demo and
+# benchmarks expect them. Quiet and idempotent when both are up.
+#
+# Addresses (defaults in brackets):
+#   DRAIN_PG_HOST [127.0.0.1]    DRAIN_PG_PORT [5432]
+#   DRAIN_AMQP_HOST [127.0.0.1]  DRAIN_AMQP_PORT [5672]
+#   DRAIN_SERVICES_TIMEOUT [60]  seconds to wait for a started service to answer
+#
+# For each service that does not answer, in this order:
+#   1. start the copy installed on this machine
+#      (pg_ctlcluster for every cluster under /etc/postgresql; rabbitmq-server -detached);
+#   2. if none is installed and we are root with apt-get: install it, start it
+#      (and, for a fresh Postgres, allow trust auth from 127.0.0.1);
+#   3. if a Docker engine answers: docker compose -f deploy/docker-compose.yml up -d;
+#   4. otherwise print what is missing and exit 1.
+# Never reads stdin; safe under CI=true.
+
+# Functions named "${service}_answers" etc. are called indirectly, and the
+# single-quoted script in probe() expands in its own shell, on purpose.
+# shellcheck disable=SC2016,SC2329
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+COMPOSE_FILE="$ROOT/deploy/docker-compose.yml"
+PG_HOST=${DRAIN_PG_HOST:-127.0.0.1}
+PG_PORT=${DRAIN_PG_PORT:-5432}
+AMQP_HOST=${DRAIN_AMQP_HOST:-127.0.0.1}
+AMQP_PORT=${DRAIN_AMQP_PORT:-5672}
+TIMEOUT=${DRAIN_SERVICES_TIMEOUT:-60}
+export DEBIAN_FRONTEND=noninteractive
+exec </dev/null
+
+say() { printf '%s\n' "$*"; }
+
+# -- probes ---------------------------------------------------------------------
+
+# A bare TCP connect is not enough: some networks run a proxy that accepts any
+# connection. Each probe sends the protocol's first bytes and checks the reply.
+probe() {  # host port request reply-pattern
+    timeout 4 bash -c '
+        exec 3<>"/dev/tcp/$0/$1" || exit 1
+        printf "$2" >&3
+        LC_ALL=C IFS= read -r -t 3 -N 1 -d "" reply <&3 || exit 1
+        [[ $reply == $3 ]]' "$1" "$2" "$3" "$4" 2>/dev/null
+}
+
+postgres_answers() {
+    if command -v pg_isready >/dev/null; then
+        # 0: accepting connections; 1: up but refusing (e.g. still starting).
+        pg_isready -q -h "$PG_HOST" -p "$PG_PORT" -t 3
+    else
+        # SSLRequest; a Postgres server answers S or N.
+        probe "$PG_HOST" "$PG_PORT" '\x00\x00\x00\x08\x04\xd2\x16\x2f' '[SN]'
+    fi
+}
+
+# The AMQP 0-9-1 protocol header; RabbitMQ answers with a method frame (type 1).
+rabbitmq_answers() { probe "$AMQP_HOST" "$AMQP_PORT" 'AMQP\x00\x00\x09\x01' $'\x01'; }
+
+wait_until_answers() {  # service: poll until it answers or the deadline passes
+    local service=$1 deadline=$((SECONDS + TIMEOUT))
+    until "${service}_answers"; do
+        if ((SECONDS >= deadline)); then
+            return 1
+        fi
+        sleep 0.5
+    done
+}
+
+is_local() {
+    case $1 in 127.* | localhost | ::1 | "${HOSTNAME:-localhost}") return 0 ;; *) return 1 ;; esac
+}
+
+# -- ways of starting a service ---------------------------------------------------
+
+postgres_installed() {
+    command -v pg_ctlcluster >/dev/null && compgen -G '/etc/postgresql/*/main' >/dev/null
+}
+
+rabbitmq_installed() { command -v rabbitmq-server >/dev/null; }
+
+start_installed_postgres() {  # fails only when no cluster could be started
+    local dir version out started=1
+    for dir in /etc/postgresql/*/main; do
+        version=$(basename "$(dirname "$dir")")
+        if out=$(pg_ctlcluster --skip-systemctl-redirect "$version" main start 2>&1); then
+            started=0
+        elif [[ $out == *"already running"* ]]; then  # exit status 2
+            started=0
+        else
+            say "postgres: pg_ctlcluster $version main start failed: ${out//$'\n'/ }"
+        fi
+    done
+    return "$started"
+}
+
+start_installed_rabbitmq() {
+    local log=${TMPDIR:-/tmp}/drain-rabbitmq-start.log
+    # -detached returns at once; the broker needs 10-20 s before it answers.
+    if ! rabbitmq-server -detached >"$log" 2>&1; then
+        say "rabbitmq: rabbitmq-server -detached failed (see $log)"
+        return 1
+    fi
+}
+
+APT_UPDATED=0
+apt_install() {  # package
+    if ((APT_UPDATED == 0)); then
+        apt-get update -q >/dev/null
+        APT_UPDATED=1
+    fi
+    apt-get install -y -q --no-install-recommends "$1" >/dev/null
+}
+
+can_apt_install() { [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; }
+
+trust_local_postgres() {  # a fresh cluster: let 127.0.0.1 and ::1 in without a password
+    local hba dir
+    for hba in /etc/postgresql/*/main/pg_hba.conf; do
+        if ! grep -q '^host all all 127.0.0.1/32 trust' "$hba"; then
+            sed -i '1i host all all 127.0.0.1/32 trust\nhost all all ::1/128 trust' "$hba"
+        fi
+    done
+    for dir in /etc/postgresql/*/main; do
+        pg_ctlcluster --skip-systemctl-redirect "$(basename "$(dirname "$dir")")" main reload \
+            >/dev/null 2>&1 || true
+    done
+}
+
+docker_compose() {
+    if docker compose version >/dev/null 2>&1; then
+        docker compose "$@"
+    elif command -v docker-compose >/dev/null; then
+        docker-compose "$@"
+    else
+        return 127
+    fi
+}
+
+docker_available() {
+    command -v docker >/dev/null && docker info >/dev/null 2>&1 \
+        && { docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null; }
+}
+
+# -- one service ---------------------------------------------------------------------
+
+ensure() {  # service host port apt-package
+    local service=$1 host=$2 port=$3 package=$4 tried=()
+    if "${service}_answers"; then
+        say "$service: already answering at $host:$port"
+        return 0
+    fi
+    if ! is_local "$host"; then
+        say "$service: not answering at $host:$port, which is not this machine; start it there"
+        return 1
+    fi
+
+    if "${service}_installed"; then
+        if ! "start_installed_$service"; then
+            tried+=("could not start the installed server")
+        elif wait_until_answers "$service"; then
+            say "$service: started the installed server; answering at $host:$port"
+            return 0
+        else
+            tried+=("the installed server was started but did not answer here within ${TIMEOUT}s")
+        fi
+    elif can_apt_install; then
+        say "$service: not installed; installing $package with apt-get"
+        if apt_install "$package"; then
+            if [[ $service == postgres ]]; then
+                trust_local_postgres
+            fi
+            if "start_installed_$service" && wait_until_answers "$service"; then
+                say "$service: installed and started $package; answering at $host:$port"
+                return 0
+            fi
+            tried+=("freshly installed $package did not answer within ${TIMEOUT}s")
+        else
+            tried+=("apt-get install $package failed")
+        fi
+    else
+        tried+=("not installed, and cannot apt-get install it (needs root and apt-get)")
+    fi
+
+    if docker_available; then
+        say "$service: starting it with docker compose ($COMPOSE_FILE)"
+        if docker_compose -f "$COMPOSE_FILE" up -d "$service" && wait_until_answers "$service"; then
+            say "$service: started with docker compose; answering at $host:$port"
+            return 0
+        fi
+        tried+=("docker compose did not bring it up")
+    else
+        tried+=("no Docker engine with compose answers")
+    fi
+
+    local why
+    why=$(printf '%s; ' "${tried[@]}")
+    say "$service: MISSING: nothing answers at $host:$port (${why%; })" >&2
+    return 1
+}
+
+status=0
+ensure postgres "$PG_HOST" "$PG_PORT" postgresql || status=1
+ensure rabbitmq "$AMQP_HOST" "$AMQP_PORT" rabbitmq-server || status=1
+exit "$status"
