@@ -9,10 +9,15 @@ States and the one log line each change gets:
 
 Each cycle runs one REPEATABLE READ transaction on the lock's own session:
 fetch up to ``batch_size`` rows, publish them with pipelined confirms, delete
-exactly the rows whose messages were confirmed, commit. A crash anywhere
-leaves each row either staged or confirmed by the broker (at-least-once, same
-task id). When a cycle finds fewer rows than a batch, the drain sleeps until a
-NOTIFY, a signal, or ``poll_interval``.
+exactly the rows whose messages were confirmed, commit (see :meth:`Drain._cycle`
+for how consecutive batches overlap). A crash anywhere leaves each row either
+staged or confirmed by the broker (at-least-once, same task id). When a cycle
+finds fewer rows than a batch, the drain sleeps until a NOTIFY, a signal, or
+``poll_interval``.
+
+A failure repeated identically (a queue the broker refuses to declare, a
+statement that keeps timing out) is logged once, retried with exponential
+backoff, and followed by one "... back" line when a cycle succeeds again.
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ import logging
 import os
 import select
 import signal
-import time
 import uuid
 from collections.abc import Callable
 from types import FrameType
@@ -75,6 +79,11 @@ class Drain:
         self._builder = message.Builder(origin=message.origin(), reply_to=str(uuid.uuid4()))
         self._stopping = False
         self._inflight: Batch | None = None
+        # Per target ("database", "broker"): the last error logged, whether it came
+        # from a cycle (rather than from connecting), and consecutive failures.
+        self._errors: dict[str, str | None] = {"database": None, "broker": None}
+        self._cycle_error: dict[str, bool] = {"database": False, "broker": False}
+        self._failures: dict[str, int] = {"database": 0, "broker": 0}
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -127,7 +136,8 @@ class Drain:
         def attempt() -> None:
             self._store.connect()
 
-        if self._retry(attempt, DatabaseUnavailable, "database"):
+        connected = self._retry(attempt, DatabaseUnavailable, "database")
+        if connected and not self._cycle_error["database"]:
             log.info("database connected")
 
     def _try_lead(self) -> None:
@@ -139,6 +149,7 @@ class Drain:
         except DatabaseUnavailable as exc:
             self._database_lost(exc)
             return
+        self._recovered("database")
         self._set_state(State.STANDBY,
                         "standby: another drain holds the lock (key %d); waiting to take over",
                         self.settings.lock_key)
@@ -146,19 +157,21 @@ class Drain:
 
     def _connect_broker(self) -> None:
         if self._retry(self._publisher.connect, BrokerUnavailable, "broker"):
-            log.info("broker connected")
+            if not self._cycle_error["broker"]:
+                log.info("broker connected")
             self.state = State.ACTIVE
 
     def _step(self) -> None:
         try:
             count = self._cycle()
         except DatabaseUnavailable as exc:
-            self._inflight = None  # its rows stay staged and will be published again
             self._database_lost(exc)
             return
         except BrokerUnavailable as exc:
             self._broker_lost(exc)
             return
+        self._recovered("database")
+        self._recovered("broker")
         if count < self.settings.batch_size and self._inflight is None:
             if count == 0 and self.exit_when_empty:
                 log.info("backlog empty: exiting (--exit-when-empty)")
@@ -251,14 +264,36 @@ class Drain:
 
     def _database_lost(self, exc: DatabaseUnavailable) -> None:
         was_active = self.state is State.ACTIVE
+        self._inflight = None  # its rows stay staged and will be published again
         self._store.close()
-        self._set_state(State.DB_DOWN, "%s%s", self._clean(exc),
-                        "; lock released, batch rolled back" if was_active else "")
+        self.state = State.DB_DOWN
+        suffix = "; lock released, batch rolled back" if was_active else ""
+        self._failed("database", self._clean(exc) + suffix, in_cycle=True)
 
     def _broker_lost(self, exc: BrokerUnavailable) -> None:
         self._inflight = None  # lost with the connection; its rows stay staged
         self._publisher.close()
-        self._set_state(State.BROKER_DOWN, "%s; rows stay staged", self._clean(exc))
+        self.state = State.BROKER_DOWN
+        self._failed("broker", self._clean(exc) + "; rows stay staged", in_cycle=True)
+
+    def _failed(self, what: str, text: str, *, in_cycle: bool) -> None:
+        """Log a failure unless it repeats the last one; back off when it keeps failing."""
+        self._failures[what] += 1
+        self._cycle_error[what] = in_cycle
+        if text != self._errors[what]:
+            self._errors[what] = text
+            log.warning("%s", text)
+        if in_cycle and self._failures[what] > 1:
+            # Connecting works but the work itself keeps failing: do not spin.
+            delay = min(0.1 * 2 ** (self._failures[what] - 1), self.settings.max_backoff)
+            self._sleep(delay)
+
+    def _recovered(self, what: str) -> None:
+        if self._errors[what] is not None and self._cycle_error[what]:
+            log.info("%s back: working again after %d failure(s)", what, self._failures[what])
+        self._errors[what] = None
+        self._cycle_error[what] = False
+        self._failures[what] = 0
 
     def _retry(self, attempt: Callable[[], None], errors: type[Exception], what: str) -> bool:
         """Call ``attempt`` until it succeeds or the drain stops; True on success."""
@@ -268,11 +303,13 @@ class Drain:
             nonlocal failures
             failures += 1
             exc = state.outcome.exception() if state.outcome else None
+            self.state = State.DB_DOWN if what == "database" else State.BROKER_DOWN
             if failures == 1:
-                self._set_state(
-                    State.DB_DOWN if what == "database" else State.BROKER_DOWN,
-                    "%s; retrying with backoff (up to %gs)", self._clean(exc),
-                    self.settings.max_backoff,
+                self._failed(
+                    what,
+                    f"{self._clean(exc)}; retrying with backoff "
+                    f"(up to {self.settings.max_backoff:g}s)",
+                    in_cycle=False,
                 )
 
         retrying = tenacity.Retrying(
@@ -320,12 +357,3 @@ class Drain:
         except (BlockingIOError, OSError):
             pass
 
-
-def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
-    """Poll ``condition`` until true or ``timeout``; used by the CLI and tests."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(interval)
-    return condition()

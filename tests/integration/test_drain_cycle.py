@@ -158,3 +158,29 @@ def test_wakes_on_notify_not_on_the_poll_interval(
         # Far below the 300 s poll interval: only the NOTIFY can have woken it.
         support.wait_for(lambda: support.staged_count(db_url) == 0, 60,
                          f"the drain to wake on NOTIFY (round {round_})")
+
+
+def test_a_refused_declare_is_retried_with_backoff_not_in_a_hot_loop(
+    db_url: str, queue: str, start_drain: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with support.broker_channel() as ch:
+        ch.queue_declare(queue, durable=True, arguments={"x-max-priority": 10})
+    _stage(db_url, queue, 1)
+    caplog.set_level(logging.DEBUG, logger="drain")
+    running = start_drain(db_url, max_backoff=0.4)
+    support.wait_for(
+        lambda: sum("refused" in r.getMessage() for r in caplog.records) >= 1
+        and running.drain._failures["broker"] >= 4,
+        30, "several retries of the refused declare",
+    )
+    refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == 1, "an unchanged failure is logged once"
+    assert not any(r.getMessage() == "broker connected" for r in caplog.records[1:]
+                   if r.created > refusals[0].created)
+    # Now fix the queue: the drain delivers and says it is back.
+    support.delete_queue(queue)
+    support.wait_for(lambda: support.staged_count(db_url) == 0, 30, "delivery after the fix")
+    support.wait_for(
+        lambda: any("broker back" in r.getMessage() for r in caplog.records), 10,
+        "the recovery line",
+    )
