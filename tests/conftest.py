@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Iterator
@@ -14,39 +15,42 @@ from drain import store
 from tests import support
 
 
+@contextlib.contextmanager
+def _database(name: str, template: str | None = None) -> Iterator[str]:
+    """CREATE DATABASE (from ``template``), yield its URL, DROP it (even if in use)."""
+    clause = f' TEMPLATE "{template}"' if template else ""
+    with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.execute(f'CREATE DATABASE "{name}"{clause}')
+    try:
+        yield support.database_url(name)
+    finally:
+        with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture(scope="session")
 def template_db() -> Iterator[str]:
+    """A migrated database that per-test databases are cloned from."""
     name = f"drain_tpl_{os.getpid()}"
-    with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.execute(f'CREATE DATABASE "{name}"')
-    with psycopg.connect(support.database_url(name)) as conn:
-        store.migrate(conn)
-    yield name
-    with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with _database(name) as url:
+        with psycopg.connect(url) as conn:
+            store.migrate(conn)
+        yield name
 
 
 @pytest.fixture
 def db_url(template_db: str) -> Iterator[str]:
     """A fresh, migrated database for this test only."""
-    name = support.unique("drain_t")
-    with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
-    yield support.database_url(name)
-    with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with _database(support.unique("drain_t"), template_db) as url:
+        yield url
 
 
 @pytest.fixture
 def empty_db_url() -> Iterator[str]:
     """A fresh database without the staging schema."""
-    name = support.unique("drain_e")
-    with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    yield support.database_url(name)
-    with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with _database(support.unique("drain_e")) as url:
+        yield url
 
 
 @pytest.fixture
