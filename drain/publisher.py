@@ -2,12 +2,14 @@
 
 pika's ``BlockingConnection`` waits one round trip per confirmed message
 (~1,100 msg/s here). This publisher drives a ``SelectConnection`` from the
-calling thread instead: it writes a whole batch with ``mandatory=True``, then
-runs the I/O loop until every delivery tag is acked or nacked, the connection
-dies, or the confirm timeout passes. Nothing runs in the background: the I/O
-loop only turns inside :meth:`Publisher.publish`, :meth:`Publisher.connect`
-and :meth:`Publisher.pump` (which the drain calls while idle, so heartbeats
-keep flowing).
+calling thread instead: :meth:`Publisher.start` writes a whole batch with
+``mandatory=True`` and returns at once; :meth:`Publisher.wait` runs the I/O
+loop until every delivery tag of that batch is acked or nacked, the
+connection dies, or the confirm timeout passes. Two batches can be in flight,
+so the drain publishes the next batch while the broker confirms the previous
+one. Nothing runs in the background: the I/O loop only turns inside
+``connect``, ``wait`` and ``pump`` (which the drain calls while idle, so
+heartbeats keep flowing).
 
 A message counts as delivered only when its ``basic.ack`` arrived and no
 ``basic.return`` came before it. Anything else (nack, return, timeout, a
@@ -199,6 +201,13 @@ class Publisher:
                 )
         except Exception as exc:
             self._failure = self._failure or self._text(exc)
+        sent = len(batch.messages)
+        if sent < count:
+            # Fewer went out than announced (``messages`` skipped some, or the
+            # channel failed): the next batch's tags start right after these.
+            # No confirm can have arrived yet: the I/O loop has not turned.
+            del batch.status[sent:]
+            self._base_tag = batch.base + sent
         return batch
 
     def wait(self, batch: Batch) -> PublishResult:

@@ -29,7 +29,7 @@ import os
 import select
 import signal
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 import tenacity
@@ -37,6 +37,7 @@ import tenacity
 from drain import message
 from drain.config import Settings, broker_parameters, mask_url, scrub
 from drain.errors import BrokerUnavailable, DatabaseUnavailable, DrainError
+from drain.message import StagedRow
 from drain.publisher import Batch, Publisher, PublishResult
 from drain.store import Store
 
@@ -79,6 +80,7 @@ class Drain:
         self._builder = message.Builder(origin=message.origin(), reply_to=str(uuid.uuid4()))
         self._stopping = False
         self._inflight: Batch | None = None
+        self._unbuildable: set[int] = set()
         # Per target ("database", "broker"): the last error logged, whether it came
         # from a cycle (rather than from connecting), and consecutive failures.
         self._errors: dict[str, str | None] = {"database": None, "broker": None}
@@ -197,7 +199,7 @@ class Drain:
                 self.settings.batch_size, exclude=previous.row_ids if previous else []
             )
             if rows:
-                messages = (self._builder.build(row) for row in rows)
+                messages = self._messages(rows)
                 try:
                     current = self._publisher.start(
                         messages, queues={row.queue for row in rows}, count=len(rows)
@@ -221,6 +223,20 @@ class Drain:
         if error is not None:
             raise error
         return len(rows)
+
+    def _messages(self, rows: list[StagedRow]) -> Iterator[message.Message]:
+        """Build each row's message; a row that cannot be built is skipped (stays staged)."""
+        for row in rows:
+            try:
+                yield self._builder.build(row)
+            except Exception as exc:
+                if row.id not in self._unbuildable:
+                    self._unbuildable.add(row.id)
+                    log.error(  # noqa: TRY400 - one line, no traceback
+                        "staged row %d (task %s) cannot become a Celery message: %s; "
+                        "it stays staged and is skipped", row.id, row.task_name,
+                        self._clean(exc),
+                    )
 
     def _account(self, result: PublishResult) -> None:
         self.published += len(result.confirmed)

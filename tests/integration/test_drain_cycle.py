@@ -184,3 +184,26 @@ def test_a_refused_declare_is_retried_with_backoff_not_in_a_hot_loop(
         lambda: any("broker back" in r.getMessage() for r in caplog.records), 10,
         "the recovery line",
     )
+
+
+def test_a_row_that_cannot_become_a_message_does_not_stop_the_others(
+    db_url: str, queue: str, start_drain: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with psycopg.connect(db_url) as conn:
+        # jsonb holds integers of any size; Python's JSON decoder refuses more than
+        # 4300 digits, so this row cannot be turned into a message here.
+        bad = conn.execute(
+            "INSERT INTO staged_jobs (task_name, args, queue) "
+            "VALUES ('t.bad', ('[1' || repeat('0', 5000) || ']')::jsonb, %s) RETURNING id",
+            (queue,),
+        ).fetchone()
+    assert bad is not None
+    ids = _stage(db_url, queue, 20)
+    caplog.set_level(logging.INFO, logger="drain")
+    start_drain(db_url, batch_size=7)
+    support.wait_for(lambda: support.staged_count(db_url) == 1, 30, "the good rows to drain")
+    assert sorted(support.task_ids(support.drain_queue(queue))) == sorted(ids)
+    messages = [r.getMessage() for r in caplog.records]
+    errors = [m for m in messages if f"staged row {bad[0]} " in m]
+    assert len(errors) == 1 and "stays staged" in errors[0]
+    assert messages.count("broker connected") == 1, "a bad row is not a broker failure"
