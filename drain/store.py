@@ -20,6 +20,7 @@ from typing import Any
 
 import psycopg
 import psycopg.errors
+from psycopg import conninfo
 from psycopg import sql as psql
 
 from drain import sql
@@ -36,6 +37,15 @@ log = logging.getLogger(__name__)
 #: delete rows already confirmed by the broker, so a commit lost in a Postgres
 #: crash brings those rows back and they are published again with the same
 #: task ids: a duplicate, never a loss. It spares a WAL flush per batch.
+#: libpq options for the drain's connection, unless its URL sets them itself.
+CLIENT_DEFAULTS = {
+    "connect_timeout": 5,
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+}
+
 SESSION_SETTINGS = {
     "synchronous_commit": "off",
     "statement_timeout": "30s",
@@ -68,26 +78,27 @@ class Store:
         # The batch transaction is open while the broker confirms, so the idle
         # timeout must outlast the confirm timeout.
         idle_timeout = int((settings.confirm_timeout + 30) * 1000)
-        options = " ".join(f"-c {k}={v}" for k, v in SESSION_SETTINGS.items())
-        options += f" -c idle_in_transaction_session_timeout={idle_timeout}"
+        session = {**SESSION_SETTINGS, "idle_in_transaction_session_timeout": str(idle_timeout)}
+        # Client-side defaults only where the user's URL does not choose otherwise.
+        given = conninfo.conninfo_to_dict(settings.database_url)
+        client = {k: v for k, v in CLIENT_DEFAULTS.items() if k not in given}
         try:
-            conn = psycopg.connect(
+            dsn = conninfo.make_conninfo(
                 settings.database_url,
-                autocommit=True,
                 application_name=self.application_name(leader_since=None),
-                connect_timeout=5,
-                keepalives=1,
-                keepalives_idle=5,
-                keepalives_interval=2,
-                keepalives_count=3,
-                options=options,
+                **client,
             )
+            conn = psycopg.connect(dsn, autocommit=True)
         except psycopg.Error as exc:
             raise self._unavailable("unreachable", exc) from None
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         self._conn = conn
         self.holds_lock = False
         try:
+            conn.execute(
+                "SELECT " + ", ".join("set_config(%s, %s, false)" for _ in session),
+                [item for pair in session.items() for item in pair],
+            )
             present = conn.execute(sql.query("schema_present")).fetchone()
             if not present or not present[0]:
                 raise SchemaMissing(
