@@ -21,11 +21,11 @@ def test_session_settings_and_user_options(db_url: str) -> None:
             ).fetchone()
         assert row is not None and " since=" in row[0]
         conn2 = store._require()
-        settings = dict(conn2.execute(
+        settings: dict[str, str] = {str(k): str(v) for k, v in conn2.execute(
             "SELECT name, setting FROM pg_settings WHERE name IN ("
             "'synchronous_commit', 'statement_timeout', 'idle_in_transaction_session_timeout',"
             "'search_path', 'tcp_keepalives_idle')"
-        ).fetchall())
+        ).fetchall()}
         assert settings["synchronous_commit"] == "off"
         assert settings["statement_timeout"] == "30000"
         assert settings["idle_in_transaction_session_timeout"] == "40000"  # confirm + 30 s
