@@ -5,6 +5,12 @@ Both write to Postgres (``CELERY_APP_DATABASE_URL``, falling back to
 ``search_index``, the downstream copy a real app would keep in Elasticsearch;
 every task also appends to ``executed_jobs`` so that tests and the demo can see
 exactly what ran, with which arguments and task id.
+
+``search.index_annotation`` is an effectively-once consumer
+(:func:`drain.consumer.effectively_once`): its upsert commits in one
+transaction with the claim of its task id in ``drain_processed``, so a
+redelivered copy of the same job (same task id) does not index again. Such a
+copy still appends to ``executed_jobs``, with ``skipped = true``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import psycopg
 from celery import Task
 
 from celery_app.app import app
+from drain.consumer import effectively_once
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS executed_jobs (
@@ -26,8 +33,12 @@ CREATE TABLE IF NOT EXISTS executed_jobs (
     task_name   text NOT NULL,
     args        jsonb NOT NULL,
     kwargs      jsonb NOT NULL,
-    executed_at timestamptz NOT NULL DEFAULT clock_timestamp()
+    executed_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    -- True when an effectively-once task recognised its task id and skipped its body.
+    skipped     boolean NOT NULL DEFAULT false
 );
+-- Databases created before the column existed (the demo's survives between runs).
+ALTER TABLE executed_jobs ADD COLUMN IF NOT EXISTS skipped boolean NOT NULL DEFAULT false;
 CREATE TABLE IF NOT EXISTS search_index (
     annotation_id bigint PRIMARY KEY,
     indexed_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
@@ -50,25 +61,35 @@ def _conn() -> psycopg.Connection[Any]:
     return conn
 
 
-def _record(task: Task, args: Any, kwargs: Any, conn: psycopg.Connection[Any]) -> None:
+def _record(
+    task: Task, args: Any, kwargs: Any, conn: psycopg.Connection[Any], *, skipped: bool = False
+) -> None:
     conn.execute(
-        "INSERT INTO executed_jobs (task_id, task_name, args, kwargs) VALUES (%s, %s, %s, %s)",
-        (task.request.id, task.name, json.dumps(list(args)), json.dumps(kwargs)),
+        "INSERT INTO executed_jobs (task_id, task_name, args, kwargs, skipped) "
+        "VALUES (%s, %s, %s, %s, %s)",
+        (task.request.id, task.name, json.dumps(list(args)), json.dumps(kwargs), skipped),
     )
 
 
+def _index_skipped(self: Task, conn: psycopg.Connection[Any], annotation_id: int) -> None:
+    _record(self, (), {"annotation_id": annotation_id}, conn, skipped=True)
+
+
 @app.task(bind=True, name="search.index_annotation")
-def index_annotation(self: Task, annotation_id: int) -> None:
-    """Index one annotation (here: upsert a row standing in for the search document)."""
-    conn = _conn()
-    with conn.transaction():
-        conn.execute(
-            "INSERT INTO search_index (annotation_id) VALUES (%s) "
-            "ON CONFLICT (annotation_id) DO UPDATE "
-            "SET indexed_at = clock_timestamp(), times_indexed = search_index.times_indexed + 1",
-            (annotation_id,),
-        )
-        _record(self, (), {"annotation_id": annotation_id}, conn)
+@effectively_once(_conn, on_skip=_index_skipped)
+def index_annotation(self: Task, conn: psycopg.Connection[Any], annotation_id: int) -> None:
+    """Index one annotation (here: upsert a row standing in for the search document).
+
+    At most once per task id: the upsert commits together with the task id's
+    record in drain_processed; a copy of an already indexed job is skipped.
+    """
+    conn.execute(
+        "INSERT INTO search_index (annotation_id) VALUES (%s) "
+        "ON CONFLICT (annotation_id) DO UPDATE "
+        "SET indexed_at = clock_timestamp(), times_indexed = search_index.times_indexed + 1",
+        (annotation_id,),
+    )
+    _record(self, (), {"annotation_id": annotation_id}, conn)
 
 
 @app.task(bind=True, name="celery_app.record")

@@ -6,8 +6,20 @@ Stage jobs in your own transaction with :func:`stage` / :func:`stage_many`
 
 from __future__ import annotations
 
+from drain.consumer import ConsumerError, claim, effectively_once, purge
 from drain.errors import DrainError, StagingError
 from drain.staging import Job, stage, stage_many
 
-__all__ = ["DrainError", "Job", "StagingError", "__version__", "stage", "stage_many"]
+__all__ = [
+    "ConsumerError",
+    "DrainError",
+    "Job",
+    "StagingError",
+    "__version__",
+    "claim",
+    "effectively_once",
+    "purge",
+    "stage",
+    "stage_many",
+]
 __version__ = "0.1.0"
