@@ -16,8 +16,14 @@
 --
 --   drain_stager  INSERT only: what an application needs to stage jobs.
 --                 It cannot read, change or delete staged rows.
---   drain_runner  SELECT and DELETE: what `drain run` needs. It cannot insert
---                 (only applications stage) nor update rows.
+--   drain_runner  SELECT and DELETE on staged_jobs, INSERT on dead_jobs: what
+--                 `drain run` needs. It cannot stage (only applications do)
+--                 nor update rows.
+--
+-- drain_stage(), dead_jobs and drain_processed are described where they are
+-- created. Operators running `drain dead ...` need SELECT, INSERT and DELETE
+-- on both tables; consumers using drain.consumer need SELECT, INSERT on
+-- drain_processed, and DELETE to purge it (grant them to your roles as fits).
 --
 -- Give them to your login roles:
 --
@@ -39,6 +45,18 @@ CREATE TABLE IF NOT EXISTS staged_jobs (
     -- routing key, exactly like apply_async(queue=...).
     queue     text        NOT NULL DEFAULT 'celery',
     staged_at timestamptz NOT NULL DEFAULT now(),
+    -- Higher runs first. Backfills use negative numbers; published as the AMQP
+    -- priority (clamped to 0..N) when the drain runs with --queue-max-priority N.
+    priority   smallint    NOT NULL DEFAULT 0,
+    -- Who staged it ('api.create_annotation', 'backfill.reindex'...): carried in
+    -- the message's drain_tag header; `drain status` groups the backlog by it.
+    tag        text,
+    -- Not published before this time (NULL: at once). Delays live here, in
+    -- Postgres, not in the broker or a worker's memory.
+    not_before timestamptz,
+    -- Never published at or after this time: moved to dead_jobs ('expired').
+    -- The message carries Celery's `expires` too.
+    expires_at timestamptz,
 
     -- Rows that could never become a valid Celery message are refused at
     -- INSERT time, so the app's own transaction fails instead of the drain.
@@ -47,8 +65,19 @@ CREATE TABLE IF NOT EXISTS staged_jobs (
     CONSTRAINT staged_jobs_args_is_array CHECK (jsonb_typeof(args) = 'array'),
     CONSTRAINT staged_jobs_kwargs_is_object CHECK (jsonb_typeof(kwargs) = 'object'),
     -- An AMQP routing key is a short string: 1 to 255 bytes.
-    CONSTRAINT staged_jobs_queue_length CHECK (octet_length(queue) BETWEEN 1 AND 255)
+    CONSTRAINT staged_jobs_queue_length CHECK (octet_length(queue) BETWEEN 1 AND 255),
+    CONSTRAINT staged_jobs_tag_length CHECK (octet_length(tag) BETWEEN 1 AND 255)
 );
+
+-- The drain's fetch reads ready rows through the first index in priority
+-- order, and due delayed rows through the second, by due time: rows that are
+-- not yet due are never scanned. The third finds expired rows.
+CREATE INDEX IF NOT EXISTS staged_jobs_ready_idx
+    ON staged_jobs (priority DESC, id) WHERE not_before IS NULL;
+CREATE INDEX IF NOT EXISTS staged_jobs_delayed_idx
+    ON staged_jobs (not_before, id) WHERE not_before IS NOT NULL;
+CREATE INDEX IF NOT EXISTS staged_jobs_expiring_idx
+    ON staged_jobs (expires_at) WHERE expires_at IS NOT NULL;
 
 COMMENT ON TABLE staged_jobs IS
     'Jobs staged in application transactions; drain publishes them to RabbitMQ and deletes them once the broker confirmed.';
@@ -68,6 +97,62 @@ $$;
 CREATE OR REPLACE TRIGGER staged_jobs_notify
     AFTER INSERT ON staged_jobs
     FOR EACH STATEMENT EXECUTE FUNCTION staged_jobs_notify();
+
+-- Staging from SQL with every option by name, e.g. a backfill in one statement:
+--   SELECT drain_stage('search.index_annotation', kwargs => jsonb_build_object('annotation_id', id),
+--                      priority => -10, tag => 'backfill.reindex')
+--   FROM annotation WHERE user_id = 42;
+-- (a plain INSERT INTO staged_jobs (...) SELECT ... is as good and a little faster).
+CREATE OR REPLACE FUNCTION drain_stage(
+    task_name  text,
+    args       jsonb       DEFAULT '[]',
+    kwargs     jsonb       DEFAULT '{}',
+    queue      text        DEFAULT 'celery',
+    priority   integer     DEFAULT 0,
+    tag        text        DEFAULT NULL,
+    not_before timestamptz DEFAULT NULL,
+    expires_at timestamptz DEFAULT NULL,
+    task_id    uuid        DEFAULT gen_random_uuid()
+) RETURNS uuid
+LANGUAGE sql VOLATILE AS $$
+    INSERT INTO staged_jobs (task_id, task_name, args, kwargs, queue, priority, tag,
+                             not_before, expires_at)
+    VALUES (task_id, task_name, args, kwargs, queue, priority, tag, not_before, expires_at)
+    RETURNING task_id;
+$$;
+
+-- Jobs that will never be published, with the reason: 'expired' (expires_at
+-- passed while staged), 'too_large' (over the broker's max_message_size),
+-- 'invalid' (cannot become a Celery message). `drain dead list / requeue /
+-- purge` manage them. Unroutable messages are not dead-lettered: their rows
+-- stay staged until the queue exists.
+CREATE TABLE IF NOT EXISTS dead_jobs (
+    id         bigint      PRIMARY KEY,  -- the id it had in staged_jobs
+    task_id    uuid        NOT NULL,
+    task_name  text        NOT NULL,
+    args       jsonb       NOT NULL,
+    kwargs     jsonb       NOT NULL,
+    queue      text        NOT NULL,
+    priority   smallint    NOT NULL,
+    tag        text,
+    not_before timestamptz,
+    expires_at timestamptz,
+    staged_at  timestamptz NOT NULL,
+    reason     text        NOT NULL,
+    detail     text,
+    dead_at    timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS dead_jobs_reason_idx ON dead_jobs (reason, dead_at);
+
+-- Consumers' record of the task ids they have processed (drain.consumer):
+-- written in the same transaction as the task's own effects, so a redelivered
+-- message is recognised and skipped. Purge old rows with
+-- `drain processed purge --older-than 7d`.
+CREATE TABLE IF NOT EXISTS drain_processed (
+    task_id      uuid        PRIMARY KEY,
+    processed_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS drain_processed_at_idx ON drain_processed (processed_at);
 
 DO $$
 BEGIN
@@ -90,8 +175,10 @@ BEGIN
         GRANT INSERT ON staged_jobs TO drain_stager;
     END IF;
     IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'drain_runner') THEN
-        REVOKE ALL ON staged_jobs FROM drain_runner;
+        REVOKE ALL ON staged_jobs, dead_jobs FROM drain_runner;
         GRANT SELECT, DELETE ON staged_jobs TO drain_runner;
+        -- The drain moves rows that can never be published into dead_jobs.
+        GRANT INSERT ON dead_jobs TO drain_runner;
     END IF;
 END
 $$;

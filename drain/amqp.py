@@ -27,6 +27,10 @@ _DELIVERY_MODE = 1 << 12
 _PRIORITY = 1 << 11
 _CORRELATION_ID = 1 << 10
 _REPLY_TO = 1 << 9
+_EXPIRATION = 1 << 8
+
+#: The header carrying a row's tag (Celery passes unknown headers through).
+TAG_HEADER = "drain_tag"
 
 _pack_I = struct.Struct(">I").pack
 _pack_i = struct.Struct(">i").pack
@@ -60,11 +64,12 @@ def encode_properties(
     priority: int,
     correlation_id: str,
     reply_to: str,
+    expiration: str | None = None,
 ) -> bytes:
     """The bytes ``pika.BasicProperties(...).encode()`` would produce for these fields."""
     flags = (
         _CONTENT_TYPE | _CONTENT_ENCODING | _HEADERS | _DELIVERY_MODE | _PRIORITY
-        | _CORRELATION_ID | _REPLY_TO
+        | _CORRELATION_ID | _REPLY_TO | (_EXPIRATION if expiration is not None else 0)
     )
     return b"".join(
         (
@@ -75,6 +80,7 @@ def encode_properties(
             bytes((delivery_mode, priority)),
             shortstr(correlation_id),
             shortstr(reply_to),
+            shortstr(expiration) if expiration is not None else b"",
         )
     )
 
@@ -118,10 +124,11 @@ def field(value: Any) -> bytes:
 class CeleryPropertiesEncoder:
     """Encodes the properties of drain's Celery messages from a precomputed template.
 
-    Of the 19 headers and 6 properties, only the task name, the task id (three
-    times), ``argsrepr`` and ``kwargsrepr`` change from message to message;
-    ``origin`` and ``reply_to`` are fixed per process. Everything else is
-    encoded once here. The result equals :func:`encode_properties` of the
+    Of the 19 headers and 6 or 7 properties, only the task name, the task id
+    (three times), ``expires``, ``argsrepr``, ``kwargsrepr``, the optional
+    ``drain_tag`` header, the priority and the optional ``expiration`` change
+    from message to message; ``origin`` and ``reply_to`` are fixed per process.
+    Everything else is encoded once here. The result equals :func:`encode_properties` of the
     same fields (``tests/unit/test_message.py`` checks it against pika).
     """
 
@@ -134,9 +141,9 @@ class CeleryPropertiesEncoder:
 
         self._c0 = k("lang") + field("py") + k("task")
         self._c1 = k("id")
-        self._c2 = (
-            k("shadow") + b"V" + k("eta") + b"V" + k("expires") + b"V" + k("group") + b"V"
-            + k("group_index") + b"V" + k("retries") + field(0)
+        self._c2 = k("shadow") + b"V" + k("eta") + b"V" + k("expires")
+        self._c2b = (
+            k("group") + b"V" + k("group_index") + b"V" + k("retries") + field(0)
             + k("timelimit") + field([None, None]) + k("root_id")
         )
         self._c3 = k("parent_id") + b"V" + k("argsrepr")
@@ -146,30 +153,44 @@ class CeleryPropertiesEncoder:
             + k("replaced_task_nesting") + field(0) + k("stamped_headers") + b"V"
             + k("stamps") + field({})
         )
+        self._tag_key = k(TAG_HEADER)
         flags = (
             _CONTENT_TYPE | _CONTENT_ENCODING | _HEADERS | _DELIVERY_MODE | _PRIORITY
             | _CORRELATION_ID | _REPLY_TO
         )
-        self._prefix = (
-            struct.pack(">H", flags) + shortstr("application/json") + shortstr("utf-8")
-        )
-        self._mode_priority = bytes((2, 0))
+        rest = shortstr("application/json") + shortstr("utf-8")
+        self._prefix = struct.pack(">H", flags) + rest
+        self._prefix_expiring = struct.pack(">H", flags | _EXPIRATION) + rest
         self._reply_to = shortstr(reply_to)
 
     def matches(self, origin: str, reply_to: str) -> bool:
         return origin == self.origin and reply_to == self.reply_to
 
-    def encode(self, *, task: str, task_id: str, argsrepr: str, kwargsrepr: str) -> bytes:
+    def encode(
+        self,
+        *,
+        task: str,
+        task_id: str,
+        argsrepr: str,
+        kwargsrepr: str,
+        expires: str | None = None,
+        tag: str | None = None,
+        priority: int = 0,
+        expiration: str | None = None,
+    ) -> bytes:
         task_id_field = field(task_id)
         inner = b"".join(
             (
-                self._c0, field(task), self._c1, task_id_field, self._c2, task_id_field,
-                self._c3, field(argsrepr), self._c4, field(kwargsrepr), self._c5,
+                self._c0, field(task), self._c1, task_id_field, self._c2, field(expires),
+                self._c2b, task_id_field, self._c3, field(argsrepr), self._c4,
+                field(kwargsrepr), self._c5,
+                b"" if tag is None else self._tag_key + field(tag),
             )
         )
         return b"".join(
             (
-                self._prefix, _pack_I(len(inner)), inner, self._mode_priority,
-                shortstr(task_id), self._reply_to,
+                self._prefix if expiration is None else self._prefix_expiring,
+                _pack_I(len(inner)), inner, bytes((2, priority)), shortstr(task_id),
+                self._reply_to, b"" if expiration is None else shortstr(expiration),
             )
         )

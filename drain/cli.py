@@ -134,6 +134,24 @@ def build_parser() -> argparse.ArgumentParser:
         "default; 'passive': only check it exists (for queues declared with "
         "x-max-priority, quorum...) (env DRAIN_QUEUE_DECLARE, default celery)",
     )
+    p.add_argument(
+        "--queue-max-priority",
+        type=int,
+        default=int(_env("DRAIN_QUEUE_MAX_PRIORITY", "0") or 0),
+        metavar="N",
+        help="declare queues with x-max-priority N, as Celery's task_queue_max_priority "
+        "does, and publish row priorities as AMQP priorities 0..N; 0: queues without "
+        "priority (env DRAIN_QUEUE_MAX_PRIORITY, default 0)",
+    )
+    p.add_argument(
+        "--max-message-size",
+        type=int,
+        default=int(_env("DRAIN_MAX_MESSAGE_SIZE", str(16 * 1024 * 1024)) or 0),
+        metavar="BYTES",
+        help="dead-letter rows whose message body is larger, instead of letting the broker "
+        "refuse them: RabbitMQ's max_message_size (env DRAIN_MAX_MESSAGE_SIZE, default "
+        "16777216, RabbitMQ 4's default; 3.x allows 134217728)",
+    )
     _add_lock_key(p)
     p.add_argument(
         "--exit-when-empty",
@@ -170,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _settings(args: argparse.Namespace, **overrides: Any) -> config.Settings:
     values: dict[str, Any] = {"database_url": args.database_url}
     for name in ("broker_url", "batch_size", "poll_interval", "confirm_timeout",
-                 "queue_declare", "lock_key"):
+                 "queue_declare", "lock_key", "queue_max_priority", "max_message_size"):
         if hasattr(args, name):
             values[name] = getattr(args, name)
     values.update(overrides)

@@ -52,6 +52,14 @@ class Settings:
     queue_declare: str = "celery"
     #: Maximum seconds between reconnection attempts.
     max_backoff: float = 10.0
+    #: Queues are declared with ``x-max-priority`` this high (0: no priority),
+    #: as Celery does with ``task_queue_max_priority``; row priorities are
+    #: published as AMQP priorities clamped to 0..N.
+    queue_max_priority: int = 0
+    #: Bodies larger than this are dead-lettered ('too_large') instead of being
+    #: refused by the broker: RabbitMQ's ``max_message_size`` (16 MiB on 4.x,
+    #: 128 MiB on 3.x).
+    max_message_size: int = 16 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -66,6 +74,12 @@ class Settings:
             raise ConfigError(f"max backoff must be positive, got {self.max_backoff}")
         if not -(2**63) <= self.lock_key < 2**63:
             raise ConfigError(f"lock key must fit in a signed 64-bit integer, got {self.lock_key}")
+        if not 0 <= self.queue_max_priority <= 255:
+            raise ConfigError(
+                f"queue max priority must be from 0 to 255, got {self.queue_max_priority}"
+            )
+        if self.max_message_size < 1:
+            raise ConfigError(f"max message size must be positive, got {self.max_message_size}")
         if self.queue_declare not in ("celery", "passive"):
             raise ConfigError(
                 f"queue declare mode must be 'celery' or 'passive', got {self.queue_declare!r}"
@@ -94,7 +108,8 @@ class Settings:
             f"database={mask_database_url(self.database_url)} "
             f"broker={mask_url(self.broker_url)} batch_size={self.batch_size} "
             f"poll_interval={self.poll_interval}s lock_key={self.lock_key} "
-            f"queue_declare={self.queue_declare}"
+            f"queue_declare={self.queue_declare} queue_max_priority={self.queue_max_priority} "
+            f"max_message_size={self.max_message_size}"
         )
 
     def secrets(self) -> list[str]:

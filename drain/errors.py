@@ -42,3 +42,13 @@ class QueueDeclareRefused(BrokerUnavailable):
     Usually the queue already exists with other arguments (``x-max-priority``,
     ``x-queue-type``) than drain declares it with. The rows stay staged.
     """
+
+    def __init__(self, queue: str, reason: str, mode: str = "celery") -> None:
+        how = "check (passive declare)" if mode == "passive" else "declare"
+        super().__init__(
+            f"broker refused to {how} queue {queue!r}: {reason}; its rows stay staged. If "
+            "the queue exists with other arguments (x-max-priority, x-queue-type...), "
+            "declare it identically (--queue-max-priority) or run with --queue-declare=passive"
+        )
+        self.queue = queue
+        self.reason = reason

@@ -15,10 +15,12 @@ and ``kwargsrepr``, which Celery shows in logs and monitoring tools.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import json
 import os
 import re
 import socket
+import time
 import uuid
 from typing import Any
 
@@ -47,6 +49,9 @@ class StagedRow:
     args_json: str
     kwargs_json: str
     queue: str
+    priority: int = 0
+    tag: str | None = None
+    expires_at: dt.datetime | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,13 +76,24 @@ def origin() -> str:
 class Builder:
     """Builds the messages of one drain process (fixed ``origin`` and ``reply_to``)."""
 
-    def __init__(self, *, origin: str, reply_to: str) -> None:
+    def __init__(self, *, origin: str, reply_to: str, max_priority: int = 0) -> None:
         self.origin = origin
         self.reply_to = reply_to
+        self.max_priority = max_priority
         self._encoder = amqp.CeleryPropertiesEncoder(origin=origin, reply_to=reply_to)
 
-    def build(self, row: StagedRow) -> Message:
-        return build(row, origin=self.origin, reply_to=self.reply_to, encoder=self._encoder)
+    def build(self, row: StagedRow, now: float | None = None) -> Message:
+        return build(row, origin=self.origin, reply_to=self.reply_to,
+                     max_priority=self.max_priority, now=now, encoder=self._encoder)
+
+
+def amqp_priority(priority: int, max_priority: int) -> int:
+    """A row's priority as the AMQP message priority: clamped to 0..max_priority.
+
+    Without ``max_priority`` (queues declared without ``x-max-priority``) every
+    message gets 0, as ``send_task`` sends by default.
+    """
+    return min(max(priority, 0), max_priority) if max_priority > 0 else 0
 
 
 def build(
@@ -85,21 +101,35 @@ def build(
     *,
     origin: str,
     reply_to: str,
+    max_priority: int = 0,
+    now: float | None = None,
     encoder: amqp.CeleryPropertiesEncoder | None = None,
 ) -> Message:
-    """The message ``send_task(row.task_name, args, kwargs, task_id=row.task_id)`` sends."""
+    """What ``send_task(name, args, kwargs, task_id=..., queue=..., expires=...)`` sends.
+
+    A row's ``expires_at`` becomes Celery's ``expires`` header (ISO 8601, UTC)
+    and the AMQP ``expiration`` property (milliseconds left, at ``now``), as
+    Celery 5.2+ sends them; its ``tag`` the extra ``drain_tag`` header.
+    """
     task_id = str(row.task_id)
     args = json.loads(row.args_json)
     kwargs = json.loads(row.kwargs_json)
     argsrepr = task_repr(args)
     kwargsrepr = task_repr(kwargs)
+    expires: str | None = None
+    expiration: str | None = None
+    if row.expires_at is not None:
+        expires = row.expires_at.astimezone(dt.timezone.utc).isoformat()
+        left = row.expires_at.timestamp() - (time.time() if now is None else now)
+        expiration = str(int(max(left, 0.0) * 1000))
+    priority = amqp_priority(row.priority, max_priority)
     headers: dict[str, Any] = {
         "lang": "py",
         "task": row.task_name,
         "id": task_id,
         "shadow": None,
         "eta": None,
-        "expires": None,
+        "expires": expires,
         "group": None,
         "group_index": None,
         "retries": 0,
@@ -115,14 +145,18 @@ def build(
         "stamped_headers": None,
         "stamps": {},
     }
+    if row.tag is not None:
+        headers[amqp.TAG_HEADER] = row.tag
     properties: dict[str, Any] = {
         "content_type": CONTENT_TYPE,
         "content_encoding": CONTENT_ENCODING,
         "delivery_mode": PERSISTENT,
-        "priority": 0,
+        "priority": priority,
         "correlation_id": task_id,
         "reply_to": reply_to,
     }
+    if expiration is not None:
+        properties["expiration"] = expiration
     body = f"[{ascii_json(row.args_json)}, {ascii_json(row.kwargs_json)}, {_EMBED}]".encode()
     return Message(
         row_id=row.id,
@@ -133,7 +167,8 @@ def build(
         body=body,
         encoded_properties=(
             encoder.encode(
-                task=row.task_name, task_id=task_id, argsrepr=argsrepr, kwargsrepr=kwargsrepr
+                task=row.task_name, task_id=task_id, argsrepr=argsrepr, kwargsrepr=kwargsrepr,
+                expires=expires, tag=row.tag, priority=priority, expiration=expiration,
             )
             if encoder is not None and encoder.matches(origin, reply_to)
             else amqp.encode_properties(headers=headers, **properties)

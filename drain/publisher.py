@@ -68,6 +68,10 @@ class PublishResult:
     #: Set when the batch ended early (connection lost, confirm timeout);
     #: the confirmed rows are still safe to delete.
     error: BrokerUnavailable | None = None
+    #: The queues of the returned messages.
+    returned_queues: set[str] = dataclasses.field(default_factory=set)
+    #: The queues of the acked messages.
+    confirmed_queues: set[str] = dataclasses.field(default_factory=set)
 
 
 class Publisher:
@@ -82,6 +86,7 @@ class Publisher:
         confirm_timeout: float = 30.0,
         connect_timeout: float = 10.0,
         secrets: list[str] | None = None,
+        queue_max_priority: int = 0,
     ) -> None:
         self._parameters = parameters
         self._secrets = secrets or []
@@ -94,7 +99,11 @@ class Publisher:
         self._ready = False
         self._failure: str | None = None
         self._declared: set[str] = set()
-        self._declaring: dict[str, str | None] = {}
+        self._declare_channel: Any = None
+        self._declare_refusal: str | None = None
+        self._queue_arguments = (
+            {"x-max-priority": queue_max_priority} if queue_max_priority else None
+        )
         self._done: Callable[[], bool] = lambda: True
         # Batches published and not yet waited for, oldest first.
         self._inflight: list[Batch] = []
@@ -141,6 +150,7 @@ class Publisher:
         """Close the connection (if any); never raises."""
         conn, self._conn = self._conn, None
         self._channel = None
+        self._declare_channel = None
         self._ready = False
         if conn is None:
             return
@@ -183,7 +193,9 @@ class Publisher:
         self._raise_if_failed()
         if not self.connected:
             raise BrokerUnavailable(f"broker at {self._display_url}: not connected")
-        self._ensure_queues(queues)
+        undeclared = queues - self._declared
+        if undeclared:
+            raise BrokerUnavailable(f"queues not declared yet: {sorted(undeclared)}")
         # Delivery tags count up from 1 per channel; this batch owns the next `count`.
         batch = Batch(base=self._base_tag, status=bytearray(count), generation=self._generation)
         self._base_tag += count
@@ -237,58 +249,101 @@ class Publisher:
             self._inflight.remove(batch)
         returned = {m.task_id for m in batch.messages} & self._returned
         self._returned -= returned
+        returned_queues = {m.routing_key for m in batch.messages if m.task_id in returned}
+        confirmed_queues = {
+            m.routing_key for i, m in enumerate(batch.messages) if batch.status[i] == _ACKED
+        }
         confirmed = [
             m.row_id
             for i, m in enumerate(batch.messages)
             if batch.status[i] == _ACKED and m.task_id not in returned
         ]
-        return PublishResult(confirmed, returned, batch.status.count(_NACKED), error)
+        return PublishResult(
+            confirmed, returned, batch.status.count(_NACKED), error, returned_queues,
+            confirmed_queues,
+        )
 
     def publish(self, messages: Sequence[Message]) -> PublishResult:
-        """Publish a batch and wait for its confirms (:meth:`start` + :meth:`wait`)."""
-        batch = self.start(
-            messages, queues={m.routing_key for m in messages}, count=len(messages)
-        )
+        """Declare, publish a batch and wait for its confirms (for tools and tests)."""
+        queues = {m.routing_key for m in messages}
+        refused = self.declare(queues)
+        if refused:
+            queue, reason = next(iter(refused.items()))
+            raise QueueDeclareRefused(queue, reason, self._declare_mode)
+        batch = self.start(messages, queues=queues, count=len(messages))
         return self.wait(batch)
 
-    def _ensure_queues(self, queues: set[str]) -> None:
-        missing = sorted(queues - self._declared)
-        if not missing:
-            return
-        passive = self._declare_mode == "passive"
-        self._declaring = {}
-        for queue in missing:
-            self._declaring[queue] = None
-            self._channel.queue_declare(
-                queue,
-                passive=passive,
-                durable=True,
-                callback=lambda _frame, q=queue: self._on_declared(q),
-            )
-        self._run_until(
-            lambda: not self._declaring or self._failure is not None, self._connect_timeout
-        )
-        if self._failure is not None:
-            # Declares are answered in order: the first unanswered one failed.
-            failure = self._failure
-            queue = next(iter(self._declaring), missing[0])
-            self.close()
-            self._failure = None
-            how = "check (passive declare)" if passive else "declare (durable, no arguments)"
-            raise QueueDeclareRefused(
-                f"broker refused to {how} queue {queue!r}: {failure}; "
-                "the rows stay staged. If the queue exists with other arguments "
-                "(x-max-priority, x-queue-type...), declare it identically or run with "
-                "--queue-declare=passive"
-            )
-        if self._declaring:
-            raise BrokerUnavailable(
-                f"broker at {self._display_url} did not answer queue declares in time"
-            )
+    def declare(self, queues: set[str]) -> dict[str, str]:
+        """Declare (or, passively, check) the queues not declared yet on this connection.
 
-    def _on_declared(self, queue: str) -> None:
-        self._declaring.pop(queue, None)
-        self._declared.add(queue)
+        Returns the refused queues with the broker's reason (406 for a queue that
+        exists with other arguments, 404 for a missing queue in passive mode).
+        Declares go through a channel of their own, which a refusal closes, so
+        the publishing channel and the batches in flight are not disturbed.
+        Raises :class:`BrokerUnavailable` when the connection itself fails.
+        """
+        refused: dict[str, str] = {}
+        for queue in sorted(queues - self._declared):
+            self._raise_if_failed()
+            channel = self._declare_channel_open()
+            answer: dict[str, str] = {}
+
+            def on_declared(_frame: Any, answer: dict[str, str] = answer) -> None:
+                answer["ok"] = ""
+                self._wake()
+
+            channel.queue_declare(
+                queue,
+                passive=self._declare_mode == "passive",
+                durable=True,
+                arguments=self._queue_arguments,
+                callback=on_declared,
+            )
+            def answered(answer: dict[str, str] = answer) -> bool:
+                return bool(answer) or self._declare_channel is None or self._failure is not None
+
+            self._run_until(answered, self._connect_timeout)
+            if "ok" in answer:
+                self._declared.add(queue)
+            elif self._failure is not None:
+                self._raise_if_failed()
+            elif self._declare_channel is None:
+                refused[queue] = self._declare_refusal or "refused"
+            else:
+                raise BrokerUnavailable(
+                    f"broker at {self._display_url} did not answer a queue declare in time"
+                )
+        return refused
+
+    def forget(self, queue: str) -> None:
+        """Declare ``queue`` again before the next publish to it (it went missing)."""
+        self._declared.discard(queue)
+
+    def _declare_channel_open(self) -> Any:
+        if self._declare_channel is None:
+            conn = self._conn
+            if conn is None:
+                raise BrokerUnavailable(f"broker at {self._display_url}: not connected")
+            opened: list[Any] = []
+
+            def on_open(channel: Any) -> None:
+                channel.add_on_close_callback(self._on_declare_channel_closed)
+                opened.append(channel)
+                self._wake()
+
+            conn.channel(on_open_callback=on_open)
+            self._run_until(lambda: bool(opened) or self._failure is not None,
+                            self._connect_timeout)
+            self._raise_if_failed()
+            if not opened:
+                raise BrokerUnavailable(f"broker at {self._display_url}: no channel in time")
+            self._declare_channel = opened[0]
+            self._declare_refusal = None
+        return self._declare_channel
+
+    def _on_declare_channel_closed(self, _channel: Any, exc: BaseException) -> None:
+        self._declare_channel = None
+        self._declare_refusal = self._text(exc)
         self._wake()
 
     # -- pika callbacks ----------------------------------------------------------

@@ -28,6 +28,7 @@ import logging
 import os
 import select
 import signal
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from types import FrameType
@@ -36,7 +37,12 @@ import tenacity
 
 from drain import message
 from drain.config import Settings, broker_parameters, mask_url, scrub
-from drain.errors import BrokerUnavailable, DatabaseUnavailable, DrainError
+from drain.errors import (
+    BrokerUnavailable,
+    DatabaseUnavailable,
+    DrainError,
+    QueueDeclareRefused,
+)
 from drain.message import StagedRow
 from drain.publisher import Batch, Publisher, PublishResult
 from drain.store import Store
@@ -76,11 +82,16 @@ class Drain:
             declare=settings.queue_declare,
             confirm_timeout=settings.confirm_timeout,
             secrets=self._secrets,
+            queue_max_priority=settings.queue_max_priority,
         )
-        self._builder = message.Builder(origin=message.origin(), reply_to=str(uuid.uuid4()))
+        self._builder = message.Builder(
+            origin=message.origin(), reply_to=str(uuid.uuid4()),
+            max_priority=settings.queue_max_priority,
+        )
         self._stopping = False
         self._inflight: Batch | None = None
-        self._unbuildable: set[int] = set()
+        #: queue -> (paused until (monotonic), times paused, last reason logged)
+        self._paused: dict[str, tuple[float, int, str]] = {}
         # Per target ("database", "broker"): the last error logged, whether it came
         # from a cycle (rather than from connecting), and consecutive failures.
         self._errors: dict[str, str | None] = {"database": None, "broker": None}
@@ -188,22 +199,27 @@ class Drain:
         k+1 fetches and publishes the next one, so the broker never waits for
         Postgres: transaction k+1 then deletes the rows of batch k that the
         broker confirmed. Rows still in flight are excluded from the fetch.
-        Returns how many rows were fetched.
+        In the same transaction, expired rows and rows that can never become a
+        message move to dead_jobs. Returns how many rows were fetched.
         """
         previous, self._inflight = self._inflight, None
         current: Batch | None = None
         start_error: BrokerUnavailable | None = None
         results: list[PublishResult] = []
+        doomed: list[tuple[int, str, str]] = []
+        rows: list[StagedRow] = []
+        limit = self.settings.batch_size
         with self._store.batch():
-            rows = [] if self._stopping else self._store.fetch(
-                self.settings.batch_size, exclude=previous.row_ids if previous else []
-            )
+            exclude = previous.row_ids if previous else []
+            if not self._stopping:
+                expired = self._store.expire(exclude, limit)
+                if expired:
+                    log.warning("moved %d expired job(s) to dead_jobs (reason 'expired')",
+                                expired)
+                rows = self._store.fetch(limit, exclude, self._paused_queues())
             if rows:
-                messages = self._messages(rows)
                 try:
-                    current = self._publisher.start(
-                        messages, queues={row.queue for row in rows}, count=len(rows)
-                    )
+                    current = self._start(rows, doomed)
                 except BrokerUnavailable as exc:
                     start_error = exc
             if previous is not None:
@@ -215,8 +231,13 @@ class Drain:
             confirmed = [row_id for r in results for row_id in r.confirmed]
             if confirmed:
                 self._store.delete(confirmed)
+            if doomed:
+                self._store.bury(doomed)
         # Committed: the confirmed rows are gone, everything else stays staged.
         self._inflight = current
+        for reason in sorted({reason for _, reason, _ in doomed}):
+            log.warning("moved %d job(s) to dead_jobs (reason %r)",
+                        sum(1 for _, r, _ in doomed if r == reason), reason)
         for result in results:
             self._account(result)
         error = start_error or next((r.error for r in results if r.error), None)
@@ -224,27 +245,68 @@ class Drain:
             raise error
         return len(rows)
 
-    def _messages(self, rows: list[StagedRow]) -> Iterator[message.Message]:
-        """Build each row's message; a row that cannot be built is skipped (stays staged)."""
+    def _start(self, rows: list[StagedRow], doomed: list[tuple[int, str, str]]) -> Batch | None:
+        """Declare the rows' queues and publish the rows whose queues were accepted."""
+        refused = self._publisher.declare({row.queue for row in rows})
+        for queue, reason in refused.items():
+            refusal = QueueDeclareRefused(queue, reason, self.settings.queue_declare)
+            self._pause(queue, str(refusal))
+        publishable = [row for row in rows if row.queue not in refused]
+        if not publishable:
+            return None
+        return self._publisher.start(
+            self._messages(publishable, doomed),
+            queues={row.queue for row in publishable},
+            count=len(publishable),
+        )
+
+    def _messages(
+        self, rows: list[StagedRow], doomed: list[tuple[int, str, str]]
+    ) -> Iterator[message.Message]:
+        """Build each row's message; a row that can never be one goes to ``doomed``."""
+        now = time.time()
+        limit = self.settings.max_message_size
         for row in rows:
             try:
-                yield self._builder.build(row)
+                built = self._builder.build(row, now=now)
             except Exception as exc:
-                if row.id not in self._unbuildable:
-                    self._unbuildable.add(row.id)
-                    log.error(  # noqa: TRY400 - one line, no traceback
-                        "staged row %d (task %s) cannot become a Celery message: %s; "
-                        "it stays staged and is skipped", row.id, row.task_name,
-                        self._clean(exc),
-                    )
+                doomed.append((row.id, "invalid", f"{type(exc).__name__}: {exc}"[:1000]))
+                continue
+            if len(built.body) > limit:
+                doomed.append((row.id, "too_large",
+                               f"message body of {len(built.body)} bytes exceeds "
+                               f"max_message_size ({limit} bytes)"))
+                continue
+            yield built
+
+    # -- queues the broker refuses ----------------------------------------------------
+
+    def _paused_queues(self) -> list[str]:
+        now = time.monotonic()
+        return [queue for queue, (until, _, _) in self._paused.items() if until > now]
+
+    def _pause(self, queue: str, reason: str) -> None:
+        """Leave ``queue``'s rows staged for a while (doubling up to 30 s) and say why once."""
+        _, count, last = self._paused.get(queue, (0.0, 0, ""))
+        delay = min(2.0**count, 30.0)
+        self._paused[queue] = (time.monotonic() + delay, count + 1, reason)
+        if reason != last:
+            log.warning("%s; retrying queue %r every %gs at most", reason, queue, 30.0)
+
+    def _resume(self, queues: set[str]) -> None:
+        for queue in queues & set(self._paused):
+            del self._paused[queue]
+            log.info("queue %r: publishing again", queue)
 
     def _account(self, result: PublishResult) -> None:
         self.published += len(result.confirmed)
-        if result.returned:
-            log.warning(
-                "%d message(s) unroutable (no queue bound for them); their rows stay staged",
-                len(result.returned),
-            )
+        self._resume(result.confirmed_queues - result.returned_queues)
+        for queue in sorted(result.returned_queues):
+            # Unroutable: nothing bound to it (deleted behind our back?). Declare
+            # it again next time; meanwhile its rows stay staged.
+            self._publisher.forget(queue)
+            self._pause(queue, f"messages to queue {queue!r} came back unroutable (no queue "
+                               "bound); their rows stay staged")
         if result.nacked:
             log.warning("broker nacked %d message(s); their rows stay staged", result.nacked)
         if self._on_cycle is not None:

@@ -22,8 +22,10 @@ else raises :class:`~drain.errors.StagingError` before any SQL is run.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import inspect
 import json
+import math
 import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -32,7 +34,15 @@ from typing import Any
 from drain.errors import StagingError, UnsupportedConnection
 
 DEFAULT_QUEUE = "celery"
-_COLUMNS = ("task_id", "task_name", "args", "kwargs", "queue")
+_COLUMNS = (
+    "task_id", "task_name", "args", "kwargs", "queue", "priority", "tag", "not_before",
+    "expires_at",
+)
+#: How each column's parameter is cast in the INSERT (they are sent as text).
+_CASTS = {
+    "task_id": "uuid", "args": "jsonb", "kwargs": "jsonb", "priority": "smallint",
+    "not_before": "timestamptz", "expires_at": "timestamptz",
+}
 _MULTI_ROW_CHUNK = 500
 # A \u0000 escape in JSON text: preceded by an even number of backslashes, so
 # that a string holding a literal backslash followed by "u0000" is not taken
@@ -49,6 +59,11 @@ class Job:
     kwargs: Mapping[str, Any] | None = None
     queue: str | None = None
     task_id: uuid.UUID | str | None = None
+    priority: int = 0
+    tag: str | None = None
+    countdown: float | None = None
+    eta: dt.datetime | None = None
+    expires: float | dt.datetime | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -58,14 +73,25 @@ class _Row:
     args: str
     kwargs: str
     queue: str
+    priority: int
+    tag: str | None
+    not_before: dt.datetime | None
+    expires_at: dt.datetime | None
 
-    def params(self, suffix: str = "") -> dict[str, str]:
+    def values(self) -> tuple[Any, ...]:
+        """Column values in ``_COLUMNS`` order, as COPY takes them."""
+        return (
+            self.task_id, self.task_name, self.args, self.kwargs, self.queue, self.priority,
+            self.tag, self.not_before, self.expires_at,
+        )
+
+    def params(self, suffix: str = "") -> dict[str, str | None]:
+        """Named parameters, every value as text (or None) so that any driver takes them."""
         return {
-            f"task_id{suffix}": str(self.task_id),
-            f"task_name{suffix}": self.task_name,
-            f"args{suffix}": self.args,
-            f"kwargs{suffix}": self.kwargs,
-            f"queue{suffix}": self.queue,
+            f"{column}{suffix}": None if value is None else (
+                value.isoformat() if isinstance(value, dt.datetime) else str(value)
+            )
+            for column, value in zip(_COLUMNS, self.values(), strict=True)
         }
 
 
@@ -77,14 +103,35 @@ def stage(
     *,
     queue: str | None = None,
     task_id: uuid.UUID | str | None = None,
+    priority: int = 0,
+    tag: str | None = None,
+    countdown: float | None = None,
+    eta: dt.datetime | None = None,
+    expires: float | dt.datetime | None = None,
 ) -> uuid.UUID:
     """Stage one job on ``conn`` and return its Celery task id.
 
     One INSERT on the caller's connection, inside the caller's transaction.
     The drain publishes the job after that transaction commits; every copy it
     publishes carries the returned task id.
+
+    * ``priority``: higher is published first (default 0; use negative numbers
+      for backfills). See ``--queue-max-priority`` for AMQP message priority.
+    * ``tag``: who staged it, e.g. ``"api.create_annotation"``; sent in the
+      ``drain_tag`` header and used to group ``drain status``.
+    * ``countdown`` (seconds) or ``eta`` (a datetime; naive means UTC): not
+      published before then. The delay is kept in Postgres, so it survives
+      anything and never occupies the broker or a worker.
+    * ``expires`` (seconds from now, or a datetime): not published after then;
+      moved to ``dead_jobs`` with reason ``expired`` instead. The message
+      carries Celery's ``expires`` too, so a worker will not run it late.
+
+    ``countdown`` and relative ``expires`` are measured on this process's clock.
     """
-    row = _row(task_name, args, kwargs, queue, task_id)
+    row = _row(
+        task_name, args, kwargs, queue, task_id,
+        priority=priority, tag=tag, countdown=countdown, eta=eta, expires=expires,
+    )
     _execute_insert(conn, [row])
     return row.task_id
 
@@ -117,6 +164,11 @@ def stage_many(conn: Any, jobs: Iterable[Job | Mapping[str, Any]]) -> list[uuid.
                 spec.get("kwargs"),
                 spec.get("queue"),
                 spec.get("task_id"),
+                priority=spec.get("priority", 0),
+                tag=spec.get("tag"),
+                countdown=spec.get("countdown"),
+                eta=spec.get("eta"),
+                expires=spec.get("expires"),
             )
         )
     if rows:
@@ -132,12 +184,18 @@ def stage_many(conn: Any, jobs: Iterable[Job | Mapping[str, Any]]) -> list[uuid.
 # -- validation ------------------------------------------------------------------
 
 
-def _row(
+def _row(  # noqa: PLR0912 - one check per argument reads best in a row
     task_name: Any,
     args: Any,
     kwargs: Any,
     queue: Any,
     task_id: Any,
+    *,
+    priority: Any = 0,
+    tag: Any = None,
+    countdown: Any = None,
+    eta: Any = None,
+    expires: Any = None,
 ) -> _Row:
     if not isinstance(task_name, str) or not task_name.strip():
         raise StagingError(f"task name must be a non-empty string, got {task_name!r}")
@@ -167,13 +225,57 @@ def _row(
             task_id = uuid.UUID(str(task_id))
         except ValueError:
             raise StagingError(f"task_id for {task_name} is not a UUID: {task_id!r}") from None
+    if priority is None:
+        priority = 0
+    if isinstance(priority, bool) or not isinstance(priority, int) or not (
+        -32768 <= priority <= 32767
+    ):
+        raise StagingError(f"priority for {task_name} must be an integer from -32768 to 32767")
+    if tag is not None and (
+        not isinstance(tag, str) or not 1 <= len(_text(f"tag for {task_name}", tag)) <= 255
+    ):
+        raise StagingError(f"tag for {task_name} must be a string of 1 to 255 bytes")
+    now = dt.datetime.now(dt.timezone.utc)
+    if countdown is not None and eta is not None:
+        raise StagingError(f"give {task_name} a countdown or an eta, not both")
+    not_before = None
+    if countdown is not None:
+        not_before = now + _seconds(task_name, "countdown", countdown)
+    elif eta is not None:
+        not_before = _moment(task_name, "eta", eta)
+    expires_at = None
+    if expires is not None:
+        expires_at = (
+            _moment(task_name, "expires", expires) if isinstance(expires, dt.datetime)
+            else now + _seconds(task_name, "expires", expires)
+        )
     return _Row(
         task_id=task_id,
         task_name=task_name,
         args=_json(task_name, "args", list(args)),
         kwargs=_json(task_name, "kwargs", dict(kwargs)),
         queue=queue,
+        priority=priority,
+        tag=tag,
+        not_before=not_before,
+        expires_at=expires_at,
     )
+
+
+def _seconds(task_name: str, what: str, value: Any) -> dt.timedelta:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise StagingError(f"{what} for {task_name} must be a number of seconds, got {value!r}")
+    try:
+        return dt.timedelta(seconds=value)
+    except OverflowError:
+        raise StagingError(f"{what} for {task_name} is out of range: {value!r}") from None
+
+
+def _moment(task_name: str, what: str, value: Any) -> dt.datetime:
+    """A datetime as an aware one; naive means UTC, as in Celery."""
+    if not isinstance(value, dt.datetime):
+        raise StagingError(f"{what} for {task_name} must be a datetime, got {value!r}")
+    return value if value.tzinfo is not None else value.replace(tzinfo=dt.timezone.utc)
 
 
 def _json(task_name: str, what: str, value: Any) -> str:
@@ -214,21 +316,20 @@ def _is_sqlalchemy(conn: Any) -> bool:
 
 def _insert_sql(count: int, style: str) -> str:
     def placeholder(column: str, i: int) -> str:
-        name = f"{column}{i}"
-        return f":{name}" if style == "named" else f"%({name})s"
+        name = f":{column}{i}" if style == "named" else f"%({column}{i})s"
+        cast = _CASTS.get(column)
+        return f"CAST({name} AS {cast})" if cast else f"CAST({name} AS text)"
 
     values = ", ".join(
-        f"(CAST({placeholder('task_id', i)} AS uuid), {placeholder('task_name', i)}, "
-        f"CAST({placeholder('args', i)} AS jsonb), CAST({placeholder('kwargs', i)} AS jsonb), "
-        f"{placeholder('queue', i)})"
+        "(" + ", ".join(placeholder(column, i) for column in _COLUMNS) + ")"
         for i in range(count)
     )
     # Only constant column names and generated placeholders: no value is pasted in.
     return f"INSERT INTO staged_jobs ({', '.join(_COLUMNS)}) VALUES {values}"  # noqa: S608
 
 
-def _params(rows: list[_Row]) -> dict[str, str]:
-    params: dict[str, str] = {}
+def _params(rows: list[_Row]) -> dict[str, str | None]:
+    params: dict[str, str | None] = {}
     for i, row in enumerate(rows):
         params.update(row.params(str(i)))
     return params
@@ -282,4 +383,4 @@ def _copy(conn: Any, rows: list[_Row]) -> None:
 def _copy_rows(cursor: Any, statement: str, rows: list[_Row]) -> None:
     with cursor.copy(statement) as copy:
         for row in rows:
-            copy.write_row((row.task_id, row.task_name, row.args, row.kwargs, row.queue))
+            copy.write_row(row.values())

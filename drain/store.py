@@ -148,13 +148,29 @@ class Store:
             self.close()
             raise self._unavailable("lost", exc) from None
 
-    def fetch(self, limit: int, exclude: list[int] | None = None) -> list[StagedRow]:
-        """The oldest ``limit`` staged rows, leaving out ``exclude`` (rows in flight)."""
-        cur = self._execute("fetch_batch", {"limit": limit, "exclude": exclude or []})
+    def fetch(
+        self, limit: int, exclude: list[int] | None = None, paused: list[str] | None = None
+    ) -> list[StagedRow]:
+        """The next ``limit`` due rows, leaving out ``exclude`` (rows in flight) and
+        the rows of ``paused`` queues."""
+        cur = self._execute(
+            "fetch_batch", {"limit": limit, "exclude": exclude or [], "paused": paused or []}
+        )
         return [StagedRow(*row) for row in cur.fetchall()]  # type: ignore[arg-type]
 
     def delete(self, ids: list[int]) -> int:
         return self._execute("delete_confirmed", {"ids": ids}).rowcount
+
+    def expire(self, exclude: list[int], limit: int) -> int:
+        """Move up to ``limit`` expired rows to dead_jobs; returns how many."""
+        return self._execute("expire", {"exclude": exclude, "limit": limit}).rowcount
+
+    def bury(self, doomed: list[tuple[int, str, str]]) -> int:
+        """Move rows to dead_jobs: ``[(id, reason, detail)]``; returns how many."""
+        ids, reasons, details = (list(column) for column in zip(*doomed, strict=True))
+        return self._execute(
+            "bury", {"ids": ids, "reasons": reasons, "details": details}
+        ).rowcount
 
     def wait(self, timeout: float, extra_fds: tuple[int, ...] = ()) -> bool:
         """Wait up to ``timeout`` for a NOTIFY; True when one arrived."""
@@ -239,9 +255,11 @@ def status(conn: psycopg.Connection[tuple[object, ...]], lock_key: int) -> dict[
     try:
         row = conn.execute(sql.query("backlog")).fetchone()
         holder = conn.execute(sql.query("lock_holder"), {"key": lock_key}).fetchone()
+        groups = conn.execute(sql.query("backlog_groups")).fetchall()
+        dead = conn.execute(sql.query("dead_by_reason")).fetchall()
     except psycopg.errors.UndefinedTable:
         raise SchemaMissing("no staged_jobs table: run `drain migrate` first") from None
-    backlog, oldest = row if row else (0, None)
+    backlog, oldest, delayed = row if row else (0, None, 0)
     lock: dict[str, Any] = {"held": False, "key": lock_key}
     if holder is not None:
         pid, app_name, client_addr, _backend_start = holder
@@ -260,4 +278,14 @@ def status(conn: psycopg.Connection[tuple[object, ...]], lock_key: int) -> dict[
             "client_addr": client_addr,
             "backend_pid": pid,
         }
-    return {"backlog": backlog, "oldest_age_seconds": oldest, "lock": lock}
+    return {
+        "backlog": backlog,
+        "delayed": delayed,
+        "oldest_age_seconds": oldest,
+        "by_group": [
+            {"queue": q, "tag": t, "task": n, "count": c, "oldest_age_seconds": a}
+            for q, t, n, c, a in groups
+        ],
+        "dead_by_reason": {str(reason): count for reason, count in dead},
+        "lock": lock,
+    }

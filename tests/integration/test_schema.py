@@ -68,10 +68,12 @@ CATALOG_QUERIES = {
     """,
     # REVOKE + GRANT may reorder the aclitems, which is no change: compare them sorted.
     "grants": """
-        SELECT coalesce(r.rolname, 'PUBLIC'), acl.privilege_type, acl.is_grantable
+        SELECT c.relname::text, coalesce(r.rolname, 'PUBLIC'), acl.privilege_type,
+               acl.is_grantable
         FROM pg_class c, aclexplode(c.relacl) acl
         LEFT JOIN pg_roles r ON r.oid = acl.grantee
-        WHERE c.oid = 'staged_jobs'::regclass ORDER BY 1, 2
+        WHERE c.oid IN ('staged_jobs'::regclass, 'dead_jobs'::regclass, 'drain_processed'::regclass)
+        ORDER BY 1, 2, 3
     """,
     "comment": "SELECT obj_description('staged_jobs'::regclass, 'pg_class')",
     "roles": """
@@ -101,18 +103,23 @@ def test_catalog_snapshot_is_the_schema(db_url: str) -> None:
         "staged_jobs_args_is_array",
         "staged_jobs_kwargs_is_object",
         "staged_jobs_queue_length",
+        "staged_jobs_tag_length",
     }
     [(name, enabled, definition)] = snap["triggers"]
     assert (name, enabled) == ("staged_jobs_notify", "O")
     assert "AFTER INSERT ON public.staged_jobs FOR EACH STATEMENT" in definition
-    assert {(role, priv) for role, priv, _ in snap["grants"] if role.startswith("drain_")} == {
-        ("drain_stager", "INSERT"),
-        ("drain_runner", "SELECT"),
-        ("drain_runner", "DELETE"),
+    assert {
+        (table, role, priv) for table, role, priv, _ in snap["grants"] if role.startswith("drain_")
+    } == {
+        ("staged_jobs", "drain_stager", "INSERT"),
+        ("staged_jobs", "drain_runner", "SELECT"),
+        ("staged_jobs", "drain_runner", "DELETE"),
+        ("dead_jobs", "drain_runner", "INSERT"),
     }
     assert snap["roles"] == [("drain_runner", False), ("drain_stager", False)]
     assert [c[0] for c in snap["columns"]] == [
-        "id", "task_id", "task_name", "args", "kwargs", "queue", "staged_at",
+        "id", "task_id", "task_name", "args", "kwargs", "queue", "staged_at", "priority",
+        "tag", "not_before", "expires_at",
     ]
 
 
@@ -320,7 +327,8 @@ def test_grants(db_url: str, login_roles: tuple[str, str]) -> None:
         assert_refused(runner, VALID_INSERT)
         assert_refused(runner, "UPDATE staged_jobs SET queue = 'other'")
         # The drain's own queries are enough with drain_runner alone.
-        rows = runner.execute(sql.query("fetch_batch"), {"limit": 10, "exclude": []}).fetchall()
+        params = {"limit": 10, "exclude": [], "paused": []}
+        rows = runner.execute(sql.query("fetch_batch"), params).fetchall()
         assert len(rows) == 4
         [app_row] = [r for r in rows if r[1] == staged]
         cur = runner.execute(sql.query("delete_confirmed"), {"ids": [app_row[0]]})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import random
 import uuid
@@ -126,15 +127,44 @@ def test_origin_names_this_process() -> None:
 
 def test_builder_template_matches_generic_encoding() -> None:
     rng = random.Random(11)
-    builder = message.Builder(origin="gen42@host.example", reply_to=str(uuid.uuid4()))
+    builder = message.Builder(origin="gen42@host.example", reply_to=str(uuid.uuid4()),
+                              max_priority=rng.choice([0, 10]))
+    now = 1_800_000_000.0
     for i in range(300):
         row = _row(
             [_random_value(rng, 1)], {"k": _random_value(rng, 1)}, task_name=f"t.é{i}",
-            task_id=uuid.uuid4(),
+            task_id=uuid.uuid4(), priority=rng.randrange(-20, 20),
+            tag=rng.choice([None, "api.create", "backfill.é"]),
+            expires_at=rng.choice([None, dt.datetime.fromtimestamp(now + rng.random() * 1e5,
+                                                                   dt.timezone.utc)]),
         )
-        fast = builder.build(row)
-        slow = message.build(row, origin=builder.origin, reply_to=builder.reply_to)
+        fast = builder.build(row, now=now)
+        slow = message.build(row, origin=builder.origin, reply_to=builder.reply_to,
+                             max_priority=builder.max_priority, now=now)
         assert fast.encoded_properties == slow.encoded_properties
         assert fast.encoded_properties == b"".join(
             pika.BasicProperties(headers=fast.headers, **fast.properties).encode()
         )
+
+
+def test_expiry_tag_and_priority_as_celery_sends_them() -> None:
+    expires_at = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.timezone(dt.timedelta(hours=2)))
+    row = _row(priority=7, tag="api.create_annotation", expires_at=expires_at)
+    m = message.build(row, origin="o", reply_to="r", max_priority=5,
+                      now=expires_at.timestamp() - 90.5)
+    assert m.headers["expires"] == "2030-01-01T10:00:00+00:00"
+    assert m.properties["expiration"] == "90500"  # kombu: str(int(seconds * 1000))
+    assert m.properties["priority"] == 5  # clamped to the queue's x-max-priority
+    assert m.headers["drain_tag"] == "api.create_annotation"
+    assert list(m.headers)[-1] == "drain_tag"
+    late = message.build(row, origin="o", reply_to="r", now=expires_at.timestamp() + 5)
+    assert late.properties["expiration"] == "0"
+    assert late.properties["priority"] == 0  # queues without x-max-priority
+
+
+@pytest.mark.parametrize(
+    ("priority", "max_priority", "expected"),
+    [(0, 0, 0), (9, 0, 0), (-5, 10, 0), (3, 10, 3), (300, 10, 10), (300, 255, 255)],
+)
+def test_amqp_priority(priority: int, max_priority: int, expected: int) -> None:
+    assert message.amqp_priority(priority, max_priority) == expected

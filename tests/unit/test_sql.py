@@ -24,7 +24,8 @@ def test_parse_errors(text: str, message: str) -> None:
 def test_query_names() -> None:
     assert set(sql.queries()) == {
         "schema_present", "try_lock", "unlock", "listen", "fetch_batch", "delete_confirmed",
-        "backlog", "lock_holder", "set_application_name",
+        "backlog", "lock_holder", "set_application_name", "backlog_groups", "dead_by_reason",
+        "bury", "expire",
     }
 
 
