@@ -9,6 +9,7 @@ traceback and debug logging.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import enum
 import json
 import logging
@@ -17,7 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from drain import __version__, config, sql, store
+from drain import __version__, config, dead, sql, store
 from drain.errors import (
     BrokerUnavailable,
     ConfigError,
@@ -28,6 +29,10 @@ from drain.errors import (
 )
 
 log = logging.getLogger("drain")
+
+
+class UsageError(DrainError):
+    """The command cannot go ahead as asked (exit code 2)."""
 
 
 class Exit(enum.IntEnum):
@@ -171,7 +176,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kwargs", default="{}", metavar="JSON", help="keyword args, a JSON object")
     p.add_argument("--queue", default=None, help="Celery queue (default celery)")
     p.add_argument("--task-id", default=None, help="task id (default: a new UUID)")
+    p.add_argument("--priority", type=int, default=0, help="higher first (default 0)")
+    p.add_argument("--tag", default=None, help="who staged it, e.g. ops.manual")
+    p.add_argument("--countdown", type=float, default=None, metavar="SECONDS",
+                   help="not before this many seconds from now")
+    p.add_argument("--expires", type=float, default=None, metavar="SECONDS",
+                   help="dead-letter instead of publishing after this many seconds")
     p.set_defaults(func=cmd_stage)
+
+    _add_dead_parsers(sub)
+
+    p = sub.add_parser(
+        "processed",
+        help="the consumers' record of processed task ids (drain.consumer)",
+        description="Manage drain_processed, where drain.consumer records the task ids "
+        "it has processed.",
+    )
+    processed_sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    q = processed_sub.add_parser(
+        "purge",
+        help="delete records older than --older-than, in batches",
+        description="Delete drain_processed rows older than --older-than, 10,000 per "
+        "transaction. Keep records longer than any copy of a message can still arrive "
+        "(queue backlog, retries, drain downtime). Safe to run from cron.",
+    )
+    _add_database(q)
+    q.add_argument("--older-than", required=True, type=_duration, metavar="DURATION",
+                   help="e.g. 7d, 12h, 90m")
+    q.set_defaults(func=cmd_processed_purge)
 
     p = sub.add_parser(
         "status",
@@ -183,6 +215,127 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_status)
     return parser
+
+
+def _duration(text: str) -> dt.timedelta:
+    try:
+        return dead.parse_duration(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_dead_filters(parser: argparse.ArgumentParser, *, older_than_required: bool) -> None:
+    _add_database(parser)
+    parser.add_argument("--reason", help="expired, too_large or invalid")
+    parser.add_argument("--task", help="task name")
+    parser.add_argument("--tag", help="tag")
+    parser.add_argument("--queue", help="queue")
+    parser.add_argument("--older-than", type=_duration, metavar="DURATION",
+                        required=older_than_required,
+                        help="only jobs dead for longer than this, e.g. 7d, 12h"
+                        + (" (required; 0s for all)" if older_than_required else ""))
+
+
+def _add_dead_parsers(sub: Any) -> None:
+    p = sub.add_parser(
+        "dead",
+        help="jobs that will never be published: list, requeue, purge",
+        description="dead_jobs holds the jobs the drain set aside with a reason: "
+        "'expired' (expires_at passed while staged), 'too_large' (over "
+        "--max-message-size), 'invalid' (cannot become a Celery message).",
+    )
+    dead_sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    q = dead_sub.add_parser("list", help="show matching dead jobs, newest first")
+    _add_dead_filters(q, older_than_required=False)
+    q.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
+    q.add_argument("--json", action="store_true", help="one JSON object per line")
+    q.set_defaults(func=cmd_dead_list)
+    q = dead_sub.add_parser(
+        "requeue",
+        help="move matching dead jobs back into staged_jobs",
+        description="Move matching dead jobs back into staged_jobs, with their task id, "
+        "due at once, with a fresh expiry (their original time to live, or "
+        "--expires-in). Prints the count first; asks unless --yes.",
+    )
+    _add_dead_filters(q, older_than_required=False)
+    q.add_argument("--expires-in", type=_duration, metavar="DURATION",
+                   help="expire the requeued jobs this long from now")
+    q.add_argument("--yes", action="store_true", help="do not ask (for scripts)")
+    q.set_defaults(func=cmd_dead_requeue)
+    q = dead_sub.add_parser(
+        "purge",
+        help="delete matching dead jobs for good",
+        description="Delete matching dead jobs. Prints the count first; asks unless --yes.",
+    )
+    _add_dead_filters(q, older_than_required=True)
+    q.add_argument("--yes", action="store_true", help="do not ask (for scripts)")
+    q.set_defaults(func=cmd_dead_purge)
+
+
+def _filters(args: argparse.Namespace) -> dead.Filters:
+    return dead.Filters(reason=args.reason, task=args.task, tag=args.tag, queue=args.queue,
+                        older_than=args.older_than)
+
+
+def _confirm(what: str, count: int, filters: dead.Filters, yes: bool) -> bool:
+    """Say how many jobs match; go ahead with --yes or an answer of y at a terminal."""
+    print(f"{count} dead job(s) match ({filters.describe()})")
+    if count == 0:
+        return False
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        raise UsageError(f"refusing to {what} without --yes: standard input is not a terminal")
+    answer = input(f"{what} them? [y/N] ").strip().lower()
+    return answer in ("y", "yes")
+
+
+def cmd_dead_list(args: argparse.Namespace) -> int:
+    filters = _filters(args)
+    with store.connect_plain(_settings(args)) as conn:
+        total = dead.count(conn, filters)
+        found = dead.rows(conn, filters, args.limit)
+    if args.json:
+        for row in found:
+            print(json.dumps(row, default=str, sort_keys=True))
+        return Exit.OK
+    print(f"{total} dead job(s) match ({filters.describe()})"
+          + (f"; the newest {len(found)}:" if found and len(found) < total else ""))
+    for row in found:
+        print(f"  {row['dead_at']:%Y-%m-%d %H:%M:%S}  {row['reason']:<9}  {row['task_name']}  "
+              f"queue={row['queue']} tag={row['tag'] or '-'} task_id={row['task_id']}"
+              + (f"\n      {row['detail']}" if row["detail"] else ""))
+    return Exit.OK
+
+
+def cmd_dead_requeue(args: argparse.Namespace) -> int:
+    filters = _filters(args)
+    with store.connect_plain(_settings(args)) as conn:
+        if not _confirm("requeue", dead.count(conn, filters), filters, args.yes):
+            return Exit.OK
+        moved = dead.requeue(conn, filters, args.expires_in)
+    print(f"requeued {moved} job(s)")
+    return Exit.OK
+
+
+def cmd_dead_purge(args: argparse.Namespace) -> int:
+    filters = _filters(args)
+    with store.connect_plain(_settings(args)) as conn:
+        if not _confirm("purge", dead.count(conn, filters), filters, args.yes):
+            return Exit.OK
+        gone = dead.purge(conn, filters)
+    print(f"purged {gone} dead job(s)")
+    return Exit.OK
+
+
+def cmd_processed_purge(args: argparse.Namespace) -> int:
+    from drain.consumer import purge  # noqa: PLC0415
+
+    with store.connect_plain(_settings(args)) as conn:
+        conn.autocommit = True
+        gone = purge(conn, args.older_than)
+    print(f"purged {gone} processed task id(s) older than {dead.format_duration(args.older_than)}")
+    return Exit.OK
 
 
 def _settings(args: argparse.Namespace, **overrides: Any) -> config.Settings:
@@ -223,7 +376,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
     settings = _settings(args)
     with store.connect_plain(settings) as conn:
         task_id = stage(conn, args.task, job_args, job_kwargs,
-                        queue=args.queue, task_id=args.task_id)
+                        queue=args.queue, task_id=args.task_id, priority=args.priority,
+                        tag=args.tag, countdown=args.countdown, expires=args.expires)
     print(task_id)
     return Exit.OK
 
@@ -243,8 +397,17 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2, sort_keys=True))
         return Exit.OK
     age = status["oldest_age_seconds"]
-    print(f"backlog: {status['backlog']} staged job(s)"
+    delayed = f" ({status['delayed']} delayed)" if status["delayed"] else ""
+    print(f"backlog: {status['backlog']} staged job(s){delayed}"
           + (f", oldest {age:.1f}s old" if age is not None else ""))
+    if status["by_group"]:
+        print(f"  {'queue':<20} {'tag':<24} {'task':<32} {'count':>8} {'oldest':>9}")
+        for g in status["by_group"]:
+            print(f"  {g['queue']:<20} {g['tag'] or '-':<24} {g['task']:<32} "
+                  f"{g['count']:>8} {g['oldest_age_seconds']:>8.1f}s")
+    dead_counts = status["dead_by_reason"]
+    print("dead letters: " + (", ".join(f"{reason} {n}" for reason, n in dead_counts.items())
+                              if dead_counts else "none"))
     lock = status["lock"]
     if lock["held"]:
         since = f" since {lock['since']}" if lock.get("since") else ""
@@ -270,6 +433,7 @@ _EXIT_CODES: Sequence[tuple[type[BaseException], Exit]] = (
     (DatabaseUnavailable, Exit.UNAVAILABLE),
     (BrokerUnavailable, Exit.UNAVAILABLE),
     (ConfigError, Exit.USAGE),
+    (UsageError, Exit.USAGE),
     (StagingError, Exit.USAGE),
     (DrainError, Exit.ERROR),
 )

@@ -11,6 +11,7 @@ from drain.config import (
     mask_url,
     scrub,
 )
+from drain.dead import format_duration, parse_duration
 from drain.errors import ConfigError
 
 
@@ -86,3 +87,21 @@ def test_settings_never_show_passwords() -> None:
 def test_settings_validation(field: str, value: object, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         Settings(**{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds", "spelled"),
+    [("90", 90, "90s"), ("90s", 90, "90s"), ("15m", 900, "15m"), ("12h", 43200, "12h"),
+     ("7d", 604800, "7d"), ("2w", 1209600, "14d"), ("1.5s", 1.5, "1.5s"), ("0s", 0, "0s")],
+)
+def test_durations(text: str, seconds: float, spelled: str) -> None:
+    value = parse_duration(text)
+    assert value.total_seconds() == seconds
+    assert format_duration(value) == spelled
+    assert parse_duration(format_duration(value)) == value
+
+
+@pytest.mark.parametrize("text", ["", "soon", "5y", "-3d", "1 2"])
+def test_bad_durations(text: str) -> None:
+    with pytest.raises(ConfigError, match="not a duration"):
+        parse_duration(text)

@@ -1,0 +1,142 @@
+"""`drain dead list|requeue|purge`, `drain processed purge`, `drain status`: subprocesses."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import psycopg
+
+import drain
+from tests import support
+
+DEAD_ROWS = [
+    # (id, task, tag, reason, dead for, ttl the job had at staging)
+    (1, "mail.send", "api.signup", "expired", "2 days", "1 hour"),
+    (2, "mail.send", "api.signup", "expired", "1 minute", "1 hour"),
+    (3, "search.index", "backfill.x", "expired", "3 days", None),
+    (4, "search.index", "backfill.x", "too_large", "3 days", None),
+]
+
+
+def _bury(db_url: str) -> dict[int, str]:
+    task_ids = {}
+    with psycopg.connect(db_url) as conn:
+        for row_id, task, tag, reason, dead_for, ttl in DEAD_ROWS:
+            task_id = str(uuid.uuid4())
+            task_ids[row_id] = task_id
+            conn.execute(
+                "INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, priority, "
+                "tag, expires_at, staged_at, reason, detail, dead_at) VALUES "
+                "(%s, %s, %s, '[1]', '{}', 'celery', -1, %s, "
+                " now() - %s::interval - %s::interval + coalesce(%s::interval, '0'), "
+                " now() - %s::interval - %s::interval, %s, %s, now() - %s::interval)",
+                (row_id, task_id, task, tag, dead_for, "1 hour", ttl, dead_for, "1 hour",
+                 reason, "because" if reason != "expired" else None, dead_for),
+            )
+            if ttl is None:
+                conn.execute("UPDATE dead_jobs SET expires_at = NULL WHERE id = %s", (row_id,))
+    return task_ids
+
+
+def test_list_with_filters(db_url: str) -> None:
+    task_ids = _bury(db_url)
+    result = support.run_cli(db_url, "dead", "list", "--reason", "expired")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "3 dead job(s) match (reason=expired)"
+    assert sum(task_id in result.stdout for task_id in task_ids.values()) == 3
+    result = support.run_cli(db_url, "dead", "list", "--json", "--tag", "backfill.x",
+                             "--older-than", "1d")
+    found = [json.loads(line) for line in result.stdout.splitlines()]
+    assert {row["id"] for row in found} == {3, 4}
+    assert {row["reason"] for row in found} == {"expired", "too_large"}
+
+
+def test_requeue_needs_yes_without_a_terminal_then_moves_rows_back(db_url: str) -> None:
+    task_ids = _bury(db_url)
+    refused = support.run_cli(db_url, "dead", "requeue", "--task", "mail.send")
+    assert refused.returncode == 2
+    assert "2 dead job(s) match (task=mail.send)" in refused.stdout
+    assert "refusing to requeue without --yes" in refused.stderr
+    assert support.staged_count(db_url) == 0
+
+    done = support.run_cli(db_url, "dead", "requeue", "--task", "mail.send", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert "requeued 2 job(s)" in done.stdout
+    with psycopg.connect(db_url) as conn:
+        rows = conn.execute(
+            "SELECT task_id::text, priority, tag, not_before, "
+            "expires_at - now() BETWEEN interval '59 minutes' AND interval '61 minutes' "
+            "FROM staged_jobs ORDER BY id"
+        ).fetchall()
+        left = conn.execute("SELECT id FROM dead_jobs ORDER BY id").fetchall()
+    assert {r[0] for r in rows} == {task_ids[1], task_ids[2]}, "same task ids"
+    assert all(r[1:] == (-1, "api.signup", None, True) for r in rows), rows
+    assert left == [(3,), (4,)]
+
+
+def test_requeue_with_expires_in(db_url: str) -> None:
+    _bury(db_url)
+    done = support.run_cli(db_url, "dead", "requeue", "--reason", "too_large",
+                           "--expires-in", "10m", "--yes")
+    assert done.returncode == 0, done.stderr
+    with psycopg.connect(db_url) as conn:
+        row = conn.execute(
+            "SELECT expires_at - now() BETWEEN interval '9 minutes' AND interval '11 minutes' "
+            "FROM staged_jobs"
+        ).fetchone()
+    assert row == (True,)
+
+
+def test_purge_needs_older_than_and_only_purges_matches(db_url: str) -> None:
+    _bury(db_url)
+    missing = support.run_cli(db_url, "dead", "purge", "--yes")
+    assert missing.returncode == 2 and "--older-than" in missing.stderr
+    bad = support.run_cli(db_url, "dead", "purge", "--older-than", "soon", "--yes")
+    assert bad.returncode == 2 and "not a duration" in bad.stderr
+    done = support.run_cli(db_url, "dead", "purge", "--older-than", "1d", "--reason",
+                           "expired", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert "purged 2 dead job(s)" in done.stdout
+    with psycopg.connect(db_url) as conn:
+        left = conn.execute("SELECT id FROM dead_jobs ORDER BY id").fetchall()
+    assert left == [(2,), (4,)]
+    nothing = support.run_cli(db_url, "dead", "purge", "--older-than", "0s", "--task", "x.y")
+    assert nothing.returncode == 0 and "0 dead job(s) match" in nothing.stdout
+
+
+def test_processed_purge(db_url: str) -> None:
+    with psycopg.connect(db_url) as conn:
+        conn.execute(
+            "INSERT INTO drain_processed (task_id, processed_at) "
+            "SELECT gen_random_uuid(), now() - make_interval(days => g) + interval '12 hours' "
+            "FROM generate_series(0, 9) g"
+        )
+    done = support.run_cli(db_url, "processed", "purge", "--older-than", "7d")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "purged 2 processed task id(s) older than 7d\n"  # 7.5, 8.5 days
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT count(*) FROM drain_processed").fetchone() == (8,)
+
+
+def test_status_groups_the_backlog_and_counts_dead_letters(db_url: str) -> None:
+    _bury(db_url)
+    with psycopg.connect(db_url) as conn:
+        jobs: list[Any] = [drain.Job("search.index", [i], tag="backfill.x", priority=-10)
+                           for i in range(5)]
+        jobs += [drain.Job("mail.send", [1], tag="api.signup", queue="mail", countdown=3600)]
+        drain.stage_many(conn, jobs)
+    result = support.run_cli(db_url, "status", "--json")
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    assert status["backlog"] == 6 and status["delayed"] == 1
+    groups = {(g["queue"], g["tag"], g["task"]): g["count"] for g in status["by_group"]}
+    assert groups == {("celery", "backfill.x", "search.index"): 5,
+                      ("mail", "api.signup", "mail.send"): 1}
+    assert status["dead_by_reason"] == {"expired": 3, "too_large": 1}
+    human = support.run_cli(db_url, "status").stdout
+    assert "backlog: 6 staged job(s) (1 delayed)" in human
+    assert "dead letters: expired 3, too_large 1" in human
+    assert "backfill.x" in human
