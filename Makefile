@@ -6,7 +6,7 @@
 #   make test       the whole suite; ARGS are passed to pytest: make test ARGS='-k crash -x'
 #   make test-unit  only tests/unit (needs no services)
 #   make lint       ruff check and mypy --strict
-#   make bench      the throughput benchmark
+#   make bench      the benchmarks: throughput (bench-throughput), starvation (bench-priority)
 #   make clean      remove the venv and caches
 
 PYTHON ?= python3
@@ -17,7 +17,7 @@ STAMP := $(VENV)/.installed
 TEST_CMD := $(BIN)/python -m pytest
 ARGS ?=
 
-.PHONY: venv services demo test test-unit lint bench clean
+.PHONY: venv services demo test test-unit lint bench bench-throughput bench-priority clean
 
 venv: $(STAMP)
 
@@ -51,8 +51,13 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-bench: services venv
+bench: bench-throughput bench-priority
+
+bench-throughput: services venv
 	$(BIN)/python bench/bench_throughput.py
+
+bench-priority: services venv
+	$(BIN)/python bench/bench_priority.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info
