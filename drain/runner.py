@@ -291,7 +291,7 @@ class Drain:
         delay = min(2.0**count, 30.0)
         self._paused[queue] = (time.monotonic() + delay, count + 1, reason)
         if reason != last:
-            log.warning("%s; retrying queue %r every %gs at most", reason, queue, 30.0)
+            log.warning("%s; retrying queue %r with backoff, up to %gs apart", reason, queue, 30.0)
 
     def _resume(self, queues: set[str]) -> None:
         for queue in queues & set(self._paused):
