@@ -45,18 +45,6 @@ CREATE TABLE IF NOT EXISTS staged_jobs (
     -- routing key, exactly like apply_async(queue=...).
     queue     text        NOT NULL DEFAULT 'celery',
     staged_at timestamptz NOT NULL DEFAULT now(),
-    -- Higher runs first. Backfills use negative numbers; published as the AMQP
-    -- priority (clamped to 0..N) when the drain runs with --queue-max-priority N.
-    priority   smallint    NOT NULL DEFAULT 0,
-    -- Who staged it ('api.create_annotation', 'backfill.reindex'...): carried in
-    -- the message's drain_tag header; `drain status` groups the backlog by it.
-    tag        text,
-    -- Not published before this time (NULL: at once). Delays live here, in
-    -- Postgres, not in the broker or a worker's memory.
-    not_before timestamptz,
-    -- Never published at or after this time: moved to dead_jobs ('expired').
-    -- The message carries Celery's `expires` too.
-    expires_at timestamptz,
 
     -- Rows that could never become a valid Celery message are refused at
     -- INSERT time, so the app's own transaction fails instead of the drain.
@@ -65,9 +53,35 @@ CREATE TABLE IF NOT EXISTS staged_jobs (
     CONSTRAINT staged_jobs_args_is_array CHECK (jsonb_typeof(args) = 'array'),
     CONSTRAINT staged_jobs_kwargs_is_object CHECK (jsonb_typeof(kwargs) = 'object'),
     -- An AMQP routing key is a short string: 1 to 255 bytes.
-    CONSTRAINT staged_jobs_queue_length CHECK (octet_length(queue) BETWEEN 1 AND 255),
-    CONSTRAINT staged_jobs_tag_length CHECK (octet_length(tag) BETWEEN 1 AND 255)
+    CONSTRAINT staged_jobs_queue_length CHECK (octet_length(queue) BETWEEN 1 AND 255)
 );
+
+-- Columns added since the first version: ADD COLUMN IF NOT EXISTS brings an
+-- older table up to date when `drain migrate` runs again.
+ALTER TABLE staged_jobs
+    -- Higher runs first. Backfills use negative numbers; published as the AMQP
+    -- priority (clamped to 0..N) when the drain runs with --queue-max-priority N.
+    ADD COLUMN IF NOT EXISTS priority smallint NOT NULL DEFAULT 0,
+    -- Who staged it ('api.create_annotation', 'backfill.reindex'...): carried in
+    -- the message's drain_tag header; `drain status` groups the backlog by it.
+    ADD COLUMN IF NOT EXISTS tag text,
+    -- Not published before this time (NULL: at once). Delays live here, in
+    -- Postgres, not in the broker or a worker's memory.
+    ADD COLUMN IF NOT EXISTS not_before timestamptz,
+    -- Never published at or after this time: moved to dead_jobs ('expired').
+    -- The message carries Celery's `expires` too.
+    ADD COLUMN IF NOT EXISTS expires_at timestamptz;
+
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_constraint
+                   WHERE conrelid = 'staged_jobs'::regclass
+                     AND conname = 'staged_jobs_tag_length') THEN
+        ALTER TABLE staged_jobs
+            ADD CONSTRAINT staged_jobs_tag_length CHECK (octet_length(tag) BETWEEN 1 AND 255);
+    END IF;
+END
+$$;
 
 -- The drain's fetch reads ready rows through the first index in priority
 -- order, and due delayed rows through the second, by due time: rows that are

@@ -28,12 +28,20 @@ class DatabaseUnavailable(DrainError):
     """Postgres cannot be reached, refused the login, or the connection died."""
 
 
+class DatabaseRefused(DatabaseUnavailable):
+    """Postgres answered but refused us: bad password, unknown role or database."""
+
+
 class SchemaMissing(DrainError):
     """The database has no ``staged_jobs`` table: run ``drain migrate`` first."""
 
 
 class BrokerUnavailable(DrainError):
     """RabbitMQ cannot be reached, refused the login, or the connection died."""
+
+
+class BrokerRefused(BrokerUnavailable):
+    """RabbitMQ answered but refused the login or the vhost."""
 
 
 class QueueDeclareRefused(BrokerUnavailable):

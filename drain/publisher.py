@@ -31,7 +31,7 @@ from pika.adapters.select_connection import SelectConnection
 
 from drain.amqp import EncodedProperties
 from drain.config import scrub
-from drain.errors import BrokerUnavailable, QueueDeclareRefused
+from drain.errors import BrokerRefused, BrokerUnavailable, QueueDeclareRefused
 from drain.message import Message
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,7 @@ class Publisher:
         self._channel: Any = None
         self._ready = False
         self._failure: str | None = None
+        self._refused = False
         self._declared: set[str] = set()
         self._declare_channel: Any = None
         self._declare_refusal: str | None = None
@@ -123,6 +124,7 @@ class Publisher:
         self.close()
         self._ready = False
         self._failure = None
+        self._refused = False
         self._declared.clear()
         self._inflight = []
         self._returned = set()
@@ -143,7 +145,10 @@ class Publisher:
         )
         if not self._ready:
             reason = self._failure or ("timed out" if not finished else "closed")
+            refused = self._refused
             self.close()
+            if refused:
+                raise BrokerRefused(f"broker at {self._display_url} refused us: {reason}")
             raise BrokerUnavailable(f"broker at {self._display_url} unreachable: {reason}")
 
     def close(self) -> None:
@@ -353,6 +358,7 @@ class Publisher:
 
     def _on_connection_open_error(self, _conn: SelectConnection, exc: BaseException) -> None:
         self._failure = self._text(exc)
+        self._refused = _is_refusal(exc)
         self._wake()
 
     def _on_connection_closed(self, _conn: SelectConnection, exc: BaseException) -> None:
@@ -441,6 +447,20 @@ class Publisher:
             self.close()
             self._failure = None
             raise BrokerUnavailable(f"broker at {self._display_url}: {failure}")
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """A login or vhost refusal, as opposed to a network problem."""
+    nested = getattr(exc, "exceptions", None)
+    if nested:
+        return _is_refusal(nested[-1])
+    inner = getattr(exc, "exception", None)
+    if isinstance(inner, BaseException):
+        return _is_refusal(inner)
+    return isinstance(
+        exc,
+        (pika.exceptions.ProbableAuthenticationError, pika.exceptions.ProbableAccessDeniedError),
+    )
 
 
 def _describe(exc: BaseException) -> str:

@@ -18,13 +18,16 @@ LISTEN drain_staged_jobs;
 -- The next batch: highest priority first, then oldest. Ready rows come from
 -- staged_jobs_ready_idx in that order; delayed rows that are due come from
 -- staged_jobs_delayed_idx by due time, so rows not yet due are never scanned.
--- Left out: the batch still in flight (published, not yet confirmed) and the
--- queues the broker is refusing for now. JSON stays text: the message body is
--- built from it without a decode/encode round trip.
+-- Left out: the batch still in flight (published, not yet confirmed), the
+-- queues the broker is refusing for now, and expired rows (expire moves at
+-- most a batch of them per cycle; the rest wait for the next cycles rather
+-- than being published with an expiry in the past). JSON stays text: the
+-- message body is built from it without a decode/encode round trip.
 SELECT id, task_id, task_name, args::text, kwargs::text, queue, priority, tag, expires_at
 FROM (
     (SELECT * FROM staged_jobs
      WHERE not_before IS NULL
+       AND (expires_at IS NULL OR expires_at > now())
        AND id <> ALL(%(exclude)s::bigint[])
        AND queue <> ALL(%(paused)s::text[])
      ORDER BY priority DESC, id
@@ -32,6 +35,7 @@ FROM (
     UNION ALL
     (SELECT * FROM staged_jobs
      WHERE not_before IS NOT NULL AND not_before <= now()
+       AND (expires_at IS NULL OR expires_at > now())
        AND id <> ALL(%(exclude)s::bigint[])
        AND queue <> ALL(%(paused)s::text[])
      ORDER BY not_before, id

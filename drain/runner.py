@@ -38,7 +38,9 @@ import tenacity
 from drain import message
 from drain.config import Settings, broker_parameters, mask_url, scrub
 from drain.errors import (
+    BrokerRefused,
     BrokerUnavailable,
+    DatabaseRefused,
     DatabaseUnavailable,
     DrainError,
     QueueDeclareRefused,
@@ -90,6 +92,7 @@ class Drain:
         )
         self._stopping = False
         self._inflight: Batch | None = None
+        self._connected_once: set[str] = set()
         #: queue -> (paused until (monotonic), times paused, last reason logged)
         self._paused: dict[str, tuple[float, int, str]] = {}
         # Per target ("database", "broker"): the last error logged, whether it came
@@ -200,7 +203,7 @@ class Drain:
         Postgres: transaction k+1 then deletes the rows of batch k that the
         broker confirmed. Rows still in flight are excluded from the fetch.
         In the same transaction, expired rows and rows that can never become a
-        message move to dead_jobs. Returns how many rows were fetched.
+        message move to dead_jobs. Returns how many rows were fetched or expired.
         """
         previous, self._inflight = self._inflight, None
         current: Batch | None = None
@@ -209,6 +212,7 @@ class Drain:
         doomed: list[tuple[int, str, str]] = []
         rows: list[StagedRow] = []
         limit = self.settings.batch_size
+        expired = 0
         with self._store.batch():
             exclude = previous.row_ids if previous else []
             if not self._stopping:
@@ -216,7 +220,11 @@ class Drain:
                 if expired:
                     log.warning("moved %d expired job(s) to dead_jobs (reason 'expired')",
                                 expired)
-                rows = self._store.fetch(limit, exclude, self._paused_queues())
+                # A full batch expired: more expired rows may remain, which the
+                # fetch would have to skip one by one. Move them first (the next
+                # cycle follows at once) and fetch once they are gone.
+                if expired < limit:
+                    rows = self._store.fetch(limit, exclude, self._paused_queues())
             if rows:
                 try:
                     current = self._start(rows, doomed)
@@ -243,7 +251,7 @@ class Drain:
         error = start_error or next((r.error for r in results if r.error), None)
         if error is not None:
             raise error
-        return len(rows)
+        return len(rows)  # MUTANT
 
     def _start(self, rows: list[StagedRow], doomed: list[tuple[int, str, str]]) -> Batch | None:
         """Declare the rows' queues and publish the rows whose queues were accepted."""
@@ -374,8 +382,18 @@ class Drain:
         self._failures[what] = 0
 
     def _retry(self, attempt: Callable[[], None], errors: type[Exception], what: str) -> bool:
-        """Call ``attempt`` until it succeeds or the drain stops; True on success."""
+        """Call ``attempt`` until it succeeds or the drain stops; True on success.
+
+        A refusal (bad password, unknown role, database or vhost) on the very
+        first connection is a configuration error: it is raised, and the CLI
+        exits with code 3. Later, it is retried like an outage: credentials may
+        be rotating.
+        """
         failures = 0
+
+        def first_refusal(exc: BaseException) -> bool:
+            refused = isinstance(exc, (DatabaseRefused, BrokerRefused))
+            return refused and what not in self._connected_once
 
         def before_sleep(state: tenacity.RetryCallState) -> None:
             nonlocal failures
@@ -391,7 +409,9 @@ class Drain:
                 )
 
         retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception_type(errors),
+            retry=tenacity.retry_if_exception(
+                lambda exc: isinstance(exc, errors) and not first_refusal(exc)
+            ),
             wait=tenacity.wait_exponential(multiplier=0.1, max=self.settings.max_backoff)
             + tenacity.wait_random(0, 0.2),
             stop=lambda _state: self._stopping,
@@ -401,8 +421,11 @@ class Drain:
         )
         try:
             retrying(attempt)
-        except errors:
+        except errors as exc:
+            if first_refusal(exc):
+                raise
             return False
+        self._connected_once.add(what)
         return True
 
     # -- helpers ---------------------------------------------------------------------

@@ -13,6 +13,7 @@ import contextlib
 import datetime as dt
 import logging
 import os
+import re
 import select
 import socket
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from psycopg import sql as psql
 
 from drain import sql
 from drain.config import Settings, mask_database_url, scrub
-from drain.errors import DatabaseUnavailable, DrainError, SchemaMissing
+from drain.errors import DatabaseRefused, DatabaseUnavailable, DrainError, SchemaMissing
 from drain.message import StagedRow
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,11 @@ class Store:
             )
             conn = psycopg.connect(dsn, autocommit=True)
         except psycopg.Error as exc:
+            if _REFUSALS.search(str(exc)):
+                raise DatabaseRefused(
+                    f"database {self._display} refused the connection: "
+                    f"{scrub(_server_message(exc), self._secrets)}"
+                ) from None
             raise self._unavailable("unreachable", exc) from None
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         self._conn = conn
@@ -207,6 +213,11 @@ class Store:
             raise SchemaMissing(
                 f"database {self._display} has no staged_jobs table: run `drain migrate` first"
             ) from None
+        except (psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction) as exc:
+            raise SchemaMissing(
+                f"database {self._display} has an older drain schema ({first_line(exc)}): "
+                "run `drain migrate`"
+            ) from None
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             self.close()
             raise self._unavailable("lost", exc) from None
@@ -222,6 +233,19 @@ class Store:
         return DatabaseUnavailable(
             f"database {self._display} {what}: {scrub(first_line(exc), self._secrets)}"
         )
+
+
+#: Server answers that retrying will not change (unlike "too many clients").
+_REFUSALS = re.compile(
+    r"password authentication failed|does not exist|no pg_hba\.conf entry|"
+    r"permission denied for database|role .* is not permitted to log in"
+)
+
+
+def _server_message(exc: BaseException) -> str:
+    """libpq's text without its 'connection to server at ... failed:' preamble."""
+    text = first_line(exc)
+    return text.split("FATAL:", 1)[1].strip() if "FATAL:" in text else text
 
 
 def first_line(exc: BaseException) -> str:

@@ -138,3 +138,37 @@ def test_help_names_every_environment_variable(db_url: str) -> None:
                 "DRAIN_POLL_INTERVAL", "DRAIN_LOCK_KEY", "DRAIN_CONFIRM_TIMEOUT",
                 "DRAIN_QUEUE_DECLARE"):
         assert var in text, var
+
+
+def test_refused_credentials_at_start_exit_3_without_secrets(db_url: str) -> None:
+    url = db_url.replace("postgres@", "nosuchrole:hunter2@")
+    result = support.run_cli(url, "run")
+    assert result.returncode == 3
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"drain: error: database {url.replace('hunter2', '***')} refused the connection: "
+        'role "nosuchrole" does not exist'
+    )
+    env = support.drain_env(db_url, DRAIN_BROKER_URL="amqp://guest:wrong-pw@127.0.0.1:5672//")
+    result = support.run_cli(db_url, "run", env=env)
+    assert result.returncode == 3
+    assert result.stderr.strip().splitlines()[-1] == (
+        "drain: error: broker at amqp://guest:***@127.0.0.1:5672// refused us: "
+        "login refused (check the user name and password)"
+    )
+    assert "wrong-pw" not in result.stderr
+
+
+def test_an_older_schema_is_reported_not_retried(db_url: str, queue: str) -> None:
+    with psycopg.connect(db_url) as conn:
+        conn.execute("DROP INDEX staged_jobs_ready_idx")
+        conn.execute("ALTER TABLE staged_jobs DROP COLUMN priority")
+    result = support.run_cli(db_url, "run")
+    assert result.returncode == 4
+    assert "older drain schema" in result.stderr and "run `drain migrate`" in result.stderr
+    # ... and `drain migrate` brings it up to date.
+    assert support.run_cli(db_url, "migrate").returncode == 0
+    with psycopg.connect(db_url) as conn:
+        drain.stage(conn, "t.x", priority=5, queue=queue)
+    done = support.run_cli(db_url, "run", "--exit-when-empty")
+    assert done.returncode == 0, done.stderr
+    assert support.staged_count(db_url) == 0
