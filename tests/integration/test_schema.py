@@ -311,6 +311,10 @@ def assert_refused(conn: psycopg.Connection[Any], statement: str) -> None:
 
 def test_grants(db_url: str, login_roles: tuple[str, str]) -> None:
     app_role, drain_role = login_roles
+    with psycopg.connect(db_url, autocommit=True) as owner:
+        # An application table: the drain's role must not be able to touch it.
+        owner.execute("CREATE TABLE annotation (id int PRIMARY KEY, text text)")
+        owner.execute("INSERT INTO annotation VALUES (1, 'secret')")
 
     with psycopg.connect(db_url, user=app_role, autocommit=True) as app:
         assert app.info.user == app_role
@@ -335,6 +339,17 @@ def test_grants(db_url: str, login_roles: tuple[str, str]) -> None:
         assert cur.rowcount == 1
         assert runner.execute("SELECT count(*) FROM staged_jobs").fetchone() == (3,)
         assert runner.execute("DELETE FROM staged_jobs").rowcount == 3
+        # It can set rows aside in dead_jobs, but nothing else of the application's.
+        runner.execute(
+            "INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, priority, "
+            "staged_at, reason) VALUES (1, gen_random_uuid(), 't', '[]', '{}', 'q', 0, now(), "
+            "'invalid')"
+        )
+        assert_refused(runner, "SELECT * FROM dead_jobs")
+        assert_refused(runner, "SELECT * FROM annotation")
+        assert_refused(runner, "DELETE FROM annotation")
+        assert_refused(runner, "UPDATE annotation SET text = 'x'")
+        assert_refused(runner, "INSERT INTO annotation VALUES (2, 'x')")
     assert support.staged_count(db_url) == 0
 
 
