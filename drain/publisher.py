@@ -227,12 +227,21 @@ class Publisher:
             self._base_tag = batch.base + sent
         return batch
 
-    def wait(self, batch: Batch) -> PublishResult:
-        """Wait for ``batch``'s confirms (up to the confirm timeout) and report them."""
+    def forget_inflight(self) -> None:
+        """Drop the batches nobody will wait for (their rows stay staged).
+
+        Late confirms for them are ignored: delivery tags are never reused.
+        """
+        self._inflight = []
+
+    def wait(self, batch: Batch, timeout: float | None = None) -> PublishResult:
+        """Wait for ``batch``'s confirms (up to ``timeout``, default the confirm
+        timeout) and report them."""
         n = len(batch.status)
+        limit = self._confirm_timeout if timeout is None else min(timeout, self._confirm_timeout)
         current = batch.generation == self._generation and self._conn is not None
         finished = current and self._run_until(
-            lambda: batch.resolved >= n or self._failure is not None, self._confirm_timeout
+            lambda: batch.resolved >= n or self._failure is not None, limit
         )
         error: BrokerUnavailable | None = None
         if not current:
@@ -246,7 +255,7 @@ class Publisher:
         elif not finished:
             error = BrokerUnavailable(
                 f"broker at {self._display_url} confirmed {batch.resolved} of {n} messages "
-                f"within {self._confirm_timeout:g}s"
+                f"within {limit:g}s"
             )
             # Late acks must never be mistaken for another batch's: start afresh.
             self._failure = "abandoned a batch after the confirm timeout"
