@@ -4,7 +4,7 @@ Both write to Postgres (``CELERY_APP_DATABASE_URL``, falling back to
 ``DRAIN_DATABASE_URL``): ``search.index_annotation`` maintains
 ``search_index``, the downstream copy a real app would keep in Elasticsearch;
 every task also appends to ``executed_jobs`` so that tests and the demo can see
-exactly what ran, with which arguments and task id.
+exactly what ran, with which arguments, task id and drain tag.
 
 ``search.index_annotation`` is an effectively-once consumer
 (:func:`drain.consumer.effectively_once`): its upsert commits in one
@@ -35,10 +35,13 @@ CREATE TABLE IF NOT EXISTS executed_jobs (
     kwargs      jsonb NOT NULL,
     executed_at timestamptz NOT NULL DEFAULT clock_timestamp(),
     -- True when an effectively-once task recognised its task id and skipped its body.
-    skipped     boolean NOT NULL DEFAULT false
+    skipped     boolean NOT NULL DEFAULT false,
+    -- The job's drain tag (the message's drain_tag header), if it had one.
+    tag         text
 );
--- Databases created before the column existed (the demo's survives between runs).
+-- Databases created before the columns existed (the demo's survives between runs).
 ALTER TABLE executed_jobs ADD COLUMN IF NOT EXISTS skipped boolean NOT NULL DEFAULT false;
+ALTER TABLE executed_jobs ADD COLUMN IF NOT EXISTS tag text;
 CREATE TABLE IF NOT EXISTS search_index (
     annotation_id bigint PRIMARY KEY,
     indexed_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
@@ -64,10 +67,12 @@ def _conn() -> psycopg.Connection[Any]:
 def _record(
     task: Task, args: Any, kwargs: Any, conn: psycopg.Connection[Any], *, skipped: bool = False
 ) -> None:
+    # Celery puts the message's headers on the request, unknown ones included.
+    tag = task.request.get("drain_tag")
     conn.execute(
-        "INSERT INTO executed_jobs (task_id, task_name, args, kwargs, skipped) "
-        "VALUES (%s, %s, %s, %s, %s)",
-        (task.request.id, task.name, json.dumps(list(args)), json.dumps(kwargs), skipped),
+        "INSERT INTO executed_jobs (task_id, task_name, args, kwargs, skipped, tag) "
+        "VALUES (%s, %s, %s, %s, %s, %s)",
+        (task.request.id, task.name, json.dumps(list(args)), json.dumps(kwargs), skipped, tag),
     )
 
 
