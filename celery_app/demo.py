@@ -377,7 +377,7 @@ def run_demo(url: str, logs: Path, children: list[Child]) -> str:
     # worker's idle loop; without it the worker notices SIGTERM only ~10 s later.
     children.append(Child("celery worker", [
         sys.executable, "-m", "celery", "-A", "celery_app", "worker", "-Q", QUEUE,
-        "-P", "solo", "--without-gossip", "--without-mingle", "-l", "warning",
+        "-P", "threads", "-c", "1", "--without-gossip", "--without-mingle", "-l", "warning",
     ], env, logs))
     children.append(Child("drain run", [sys.executable, "-m", "drain", "run"], env, logs))
     with psycopg.connect(url, autocommit=True) as conn:

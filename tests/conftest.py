@@ -75,7 +75,7 @@ def spawn(processes: list[support.Process], tmp_path: Path):  # type: ignore[no-
     counter = iter(range(1000))
 
     def _spawn(argv: list[str], env: dict[str, str], name: str = "proc") -> support.Process:
-        # An idle Celery 5.7 solo worker takes ~12 s to honour SIGTERM or SIGQUIT here;
+        # An idle Celery worker can take ~10 s to honour SIGTERM or SIGQUIT here;
         # a test's worker is only a consumer of a queue deleted at teardown: kill it.
         stop_signal = signal.SIGKILL if "celery" in argv else signal.SIGTERM
         proc = support.Process(argv, env, tmp_path / f"{name}-{next(counter)}.log", stop_signal)

@@ -221,9 +221,12 @@ def run_cli(
 
 
 def celery_argv(queue: str) -> list[str]:
+    # The threads pool, not solo: under a steady stream, Celery 5.7's solo pool
+    # left delivered messages unprocessed for ~10 s at a time (seen as bursts
+    # of work ten seconds apart); one thread keeps the processing order.
     return [
         sys.executable, "-m", "celery", "-A", "celery_app", "worker", "-Q", queue,
-        "-P", "solo", "--without-gossip", "--without-mingle", "--without-heartbeat",
+        "-P", "threads", "-c", "1", "--without-gossip", "--without-mingle",
         "-l", "info", "-n", f"{queue}@%h",
     ]
 
@@ -231,24 +234,79 @@ def celery_argv(queue: str) -> list[str]:
 # -- a TCP proxy for cutting and restoring connections -------------------------------------
 
 
+class _Link:
+    """One proxied connection: the client's socket, the upstream one, and a valve."""
+
+    def __init__(self, client: socket.socket, upstream: socket.socket, flowing: bool) -> None:
+        self.sockets = (client, upstream)
+        self.flowing = threading.Event()
+        if flowing:
+            self.flowing.set()
+
+    def close(self) -> None:
+        for s in self.sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+        self.flowing.set()  # a pipe waiting at the valve wakes up and finds the sockets closed
+
+
 class TcpProxy:
-    """Forwards 127.0.0.1:<port> to a target; can refuse, cut and restore connections."""
+    """Forwards 127.0.0.1:<port> to a target; can cut, stall, refuse and restore connections.
+
+    * :meth:`cut` drops every open connection; new ones are still accepted.
+    * :meth:`stall` stops forwarding without closing anything (a black hole: the
+      sockets stay open, bytes are held back); :meth:`resume` forwards again,
+      held bytes included.
+    * :meth:`refuse` cuts every connection and stops listening, so connecting
+      gets "connection refused" (a service that is down); :meth:`restart`
+      listens again on the same port.
+    * :meth:`stop` (teardown) is :meth:`refuse`.
+    """
 
     def __init__(self, target_port: int, port: int | None = None) -> None:
         self.target = ("127.0.0.1", target_port)
         self.port = port or free_port()
         self._server: socket.socket | None = None
-        self._conns: list[socket.socket] = []
+        self._links: list[_Link] = []
+        self._stall_new = False
         self._lock = threading.Lock()
+        #: Connections accepted so far (over every start/restart).
+        self.accepted = 0
 
     def start(self) -> TcpProxy:
         server = socket.socket()
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("127.0.0.1", self.port))
+        # The port was ours a moment ago (restart): another socket may hold it briefly.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                server.bind(("127.0.0.1", self.port))
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    server.close()
+                    raise
+                time.sleep(0.05)
         server.listen(64)
         self._server = server
         threading.Thread(target=self._accept, args=(server,), daemon=True).start()
         return self
+
+    def restart(self) -> TcpProxy:
+        """Listen again on the same port after :meth:`refuse` (no-op while listening)."""
+        if self._server is None:
+            self.start()
+        return self
+
+    @property
+    def listening(self) -> bool:
+        return self._server is not None
+
+    @property
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._links)
 
     def _accept(self, server: socket.socket) -> None:
         while True:
@@ -262,14 +320,20 @@ class TcpProxy:
                 client.close()
                 continue
             with self._lock:
-                self._conns += [client, upstream]
+                if self._server is not server:  # refused meanwhile
+                    client.close()
+                    upstream.close()
+                    return
+                link = _Link(client, upstream, flowing=not self._stall_new)
+                self._links.append(link)
+                self.accepted += 1
             for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+                threading.Thread(target=self._pipe, args=(link, a, b), daemon=True).start()
 
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, link: _Link, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
+                link.flowing.wait()
                 dst.sendall(data)
         except OSError:
             pass
@@ -278,21 +342,49 @@ class TcpProxy:
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
             src.close()  # each direction's thread closes the socket it reads from
+            with self._lock, contextlib.suppress(ValueError):
+                self._links.remove(link)
 
     def cut(self) -> None:
         """Drop every open connection (new ones are still accepted)."""
         with self._lock:
-            conns, self._conns = self._conns, []
-        for s in conns:
+            links, self._links = self._links, []
+        for link in links:
+            link.close()
+
+    def stall(self, *, new_connections: bool = True) -> None:
+        """Stop forwarding on every open connection, keeping the sockets open.
+
+        With ``new_connections`` (the default) connections accepted from now on
+        stall too (a broker that hangs); otherwise they flow (one half-dead link).
+        """
+        with self._lock:
+            self._stall_new = new_connections
+            for link in self._links:
+                link.flowing.clear()
+
+    def resume(self) -> None:
+        """Forward again on every connection, the bytes held back first."""
+        with self._lock:
+            self._stall_new = False
+            for link in self._links:
+                link.flowing.set()
+
+    def refuse(self) -> None:
+        """Cut every connection and stop listening: connecting is refused until restart()."""
+        with self._lock:
+            server, self._server = self._server, None
+        if server is not None:
+            # close() alone does not wake a thread blocked in accept(), which would
+            # go on accepting; shutdown() does, and stops the listening at once.
             with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
+                server.shutdown(socket.SHUT_RDWR)
+            server.close()
+        self.cut()
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        self.cut()
+        self.resume()
+        self.refuse()
 
 
 def dumps(value: Any) -> str:

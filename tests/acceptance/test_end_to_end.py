@@ -52,7 +52,7 @@ def test_committed_jobs_run_and_rolled_back_jobs_never_do(
         committed[row[0]] = {"args": ["sql"], "kwargs": {"via": "sql"}}
         conn.commit()
         # Staged after the rolled-back ones: published later (id order), run later (one
-        # solo worker, prefetch 1). Once it ran, a rolled-back job would have run too.
+        # one worker thread, prefetch 1). Once it ran, a rolled-back job would have run too.
         sentinel = str(drain.stage(conn, "celery_app.record", ["sentinel"], queue=queue))
         conn.commit()
 
