@@ -7,6 +7,7 @@
 #   make test-unit  only tests/unit (needs no services)
 #   make lint       ruff check and mypy --strict
 #   make bench      the benchmarks: throughput (bench-throughput), starvation (bench-priority)
+#   make soak       the chaos soak (SOAK_SECONDS=180 by default)
 #   make clean      remove the venv and caches
 
 PYTHON ?= python3
@@ -17,7 +18,7 @@ STAMP := $(VENV)/.installed
 TEST_CMD := $(BIN)/python -m pytest
 ARGS ?=
 
-.PHONY: venv services demo test test-unit lint bench bench-throughput bench-priority clean
+.PHONY: venv services demo test test-unit lint bench bench-throughput bench-priority soak clean
 
 venv: $(STAMP)
 
@@ -58,6 +59,11 @@ bench-throughput: services venv
 
 bench-priority: services venv
 	$(BIN)/python bench/bench_priority.py
+
+# The chaos soak (not part of `make test`): SOAK_SECONDS (default 180), SOAK_RATE,
+# SOAK_ROLLBACK, SOAK_FAULTS.
+soak: services venv
+	$(BIN)/python -m tests.soak
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info
