@@ -9,6 +9,10 @@
 
 With drain upstream, every copy of a job carries the same task id, so tasks
 that must run effectively once can dedupe on ``self.request.id``.
+
+Run workers with the prefork or threads pool (the demo and the tests use
+``-P threads -c 1``): under a steady stream of messages, Celery 5.7's solo
+pool was seen leaving delivered messages unprocessed for ~10 s at a time.
 """
 
 from __future__ import annotations
