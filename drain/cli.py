@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--exit-when-empty",
         action="store_true",
-        help="exit 0 once the backlog is empty (for batch jobs and benchmarks)",
+        help="exit 0 once no staged row is due (delayed rows stay staged; for batch jobs "
+        "and benchmarks)",
     )
     p.set_defaults(func=cmd_run)
 
