@@ -6,10 +6,10 @@
 For SOAK_SECONDS, producers stage jobs at SOAK_RATE per second (default 100)
 in small transactions, a share of them rolled back (SOAK_ROLLBACK, default
 0.1); a real ``celery worker`` consumes them and records every execution in
-Postgres. The active drain reaches Postgres and RabbitMQ through TCP proxies,
-and a second drain waits as a standby. Every few seconds the fault injector
-picks a fault at random: kill -9 the active drain, SIGTERM it, cut its
-database connections, cut its broker connections, or stall the broker for a
+Postgres. Two drains reach Postgres and RabbitMQ through TCP proxies: one
+active, one standby. Every few seconds the fault injector
+picks a fault at random: kill -9 the drain holding the lock, SIGTERM it, cut
+the drains' database or broker connections, or stall the broker for a
 few seconds (SOAK_FAULTS, a comma-separated subset, chooses among them).
 Killed drains are restarted.
 
@@ -34,6 +34,7 @@ import psycopg
 
 import drain
 from drain import store
+from drain.config import Settings
 from tests import support
 
 FAULTS = ["kill -9", "sigterm", "cut database", "cut broker", "stall broker"]
@@ -56,7 +57,7 @@ class Soak:
         self.procs: list[support.Process] = []
         self.pg_proxy = support.TcpProxy(5432)
         self.amqp_proxy = support.TcpProxy(5672)
-        self.active: support.Process | None = None
+        self.drains: list[support.Process] = []
         self.started = 0
 
     # -- set-up ---------------------------------------------------------------------
@@ -70,9 +71,7 @@ class Soak:
         self.amqp_proxy.start()
         worker = self.spawn(support.celery_argv(self.queue), "worker", support.drain_env(self.url))
         worker.wait_for_output("ready.", timeout=60)
-        self.start_drain()
-        standby_env = support.drain_env(self.url)
-        self.spawn(support.drain_argv("run", "--poll-interval", "0.5"), "standby", standby_env)
+        self.drains = [self.start_drain(), self.start_drain()]
 
     def spawn(self, argv: list[str], name: str, env: dict[str, str]) -> support.Process:
         self.started += 1
@@ -80,16 +79,23 @@ class Soak:
         self.procs.append(proc)
         return proc
 
-    def start_drain(self) -> None:
+    def start_drain(self) -> support.Process:
         proxied = support.database_url(self.name).replace(
             "127.0.0.1:5432", f"127.0.0.1:{self.pg_proxy.port}")
         env = support.drain_env(
             proxied, DRAIN_BROKER_URL=f"amqp://guest:guest@127.0.0.1:{self.amqp_proxy.port}//",
             CELERY_APP_DATABASE_URL=self.url,
         )
-        self.active = self.spawn(
+        return self.spawn(
             support.drain_argv("run", "--poll-interval", "0.5", "--confirm-timeout", "5"),
             "drain", env)
+
+    def lock_holder(self) -> int | None:
+        """Which of the drains holds the lock now (its index), if any."""
+        with psycopg.connect(self.url) as conn:
+            status = store.status(conn, Settings().lock_key)
+        pid = status["lock"].get("pid")
+        return next((i for i, p in enumerate(self.drains) if p.pid == pid), None)
 
     def teardown(self) -> None:
         for proc in self.procs:
@@ -126,10 +132,15 @@ class Soak:
         while kinds and not self.stop.wait(rng.uniform(2.0, 6.0)):
             kind = rng.choice(kinds)
             self.faults[kind] += 1
-            if kind in ("kill -9", "sigterm") and self.active is not None:
-                self.active.kill(signal.SIGKILL if kind == "kill -9" else signal.SIGTERM)
-                self.active.wait(30)
-                self.start_drain()
+            active = self.lock_holder() if kind in ("kill -9", "sigterm") else None
+            if active is not None:
+                victim = self.drains[active]
+                victim.kill(signal.SIGKILL if kind == "kill -9" else signal.SIGTERM)
+                victim.wait(30)
+                self.drains[active] = self.start_drain()
+            elif kind in ("kill -9", "sigterm"):
+                self.faults[kind] -= 1  # nobody held the lock at that instant: no fault
+                self.faults["(no lock holder to hit)"] += 1
             elif kind == "cut database":
                 self.pg_proxy.cut()
             elif kind == "cut broker":
