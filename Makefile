@@ -7,6 +7,7 @@
 #   make test-unit  only tests/unit (needs no services)
 #   make lint       ruff check and mypy --strict
 #   make bench      the benchmarks: throughput (bench-throughput), starvation (bench-priority)
+#   make bench-spark  drain backfill on local Spark vs write.jdbc vs INSERT ... SELECT (1M rows)
 #   make soak       the chaos soak (SOAK_SECONDS=180 by default)
 #   make clean      remove the venv and caches
 
@@ -18,7 +19,7 @@ STAMP := $(VENV)/.installed
 TEST_CMD := $(BIN)/python -m pytest
 ARGS ?=
 
-.PHONY: venv services demo test test-unit lint bench bench-throughput bench-priority soak clean
+.PHONY: venv services demo test test-unit lint bench bench-throughput bench-priority bench-spark soak clean
 
 venv: $(STAMP)
 
@@ -59,6 +60,9 @@ bench-throughput: services venv
 
 bench-priority: services venv
 	$(BIN)/python bench/bench_priority.py
+
+bench-spark: services venv
+	$(BIN)/python bench/bench_spark.py
 
 # The chaos soak (not part of `make test`): SOAK_SECONDS (default 180), SOAK_RATE,
 # SOAK_ROLLBACK, SOAK_FAULTS.

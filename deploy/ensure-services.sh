@@ -203,4 +203,28 @@ ensure() {  # service host port apt-package
 status=0
 ensure postgres "$PG_HOST" "$PG_PORT" postgresql || status=1
 ensure rabbitmq "$AMQP_HOST" "$AMQP_PORT" rabbitmq-server || status=1
+
+# -- Spark (drain backfill / reconcile, tests/spark): Java and the Postgres JDBC jar -----
+# Optional: never fails this script. Without Java the Spark tests skip; without the
+# jar the JDBC ones skip, each saying why.
+JDBC_JAR=${DRAIN_SPARK_JDBC_JAR:-/usr/share/java/postgresql.jar}
+if command -v java >/dev/null; then
+    say "java: $(java -version 2>&1 | head -n 1)"
+else
+    say "java: MISSING: Spark needs Java 17+ (e.g. apt-get install openjdk-17-jre-headless)"
+fi
+if [[ -f $JDBC_JAR ]]; then
+    say "jdbc: $JDBC_JAR present"
+elif can_apt_install && [[ -z ${DRAIN_SPARK_JDBC_JAR:-} ]]; then
+    say "jdbc: $JDBC_JAR missing; installing libpostgresql-jdbc-java with apt-get"
+    if apt_install libpostgresql-jdbc-java && [[ -f $JDBC_JAR ]]; then
+        say "jdbc: installed $JDBC_JAR"
+    else
+        say "jdbc: apt-get install libpostgresql-jdbc-java failed; the Spark JDBC tests will skip"
+    fi
+else
+    say "jdbc: $JDBC_JAR missing (install libpostgresql-jdbc-java as root, or set" \
+        "DRAIN_SPARK_JDBC_JAR); the Spark JDBC tests will skip"
+fi
+
 exit "$status"

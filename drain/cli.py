@@ -27,6 +27,7 @@ from drain.errors import (
     SchemaMissing,
     StagingError,
 )
+from drain.spark import cli as spark_cli
 
 log = logging.getLogger("drain")
 
@@ -186,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_stage)
 
     _add_dead_parsers(sub)
+    spark_cli.add_parsers(sub)
 
     p = sub.add_parser(
         "processed",

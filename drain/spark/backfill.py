@@ -1,0 +1,133 @@
+"""``drain backfill``: stage one job per record of a dataset, idempotently.
+
+``source -> where -> mapping.jobs (hash-partitioned on the key) ->
+mapping.copy_lines -> writer.write`` (one transaction per partition, recorded
+in the ledger). See :mod:`drain.spark.writer` for the guarantees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from drain.errors import ConfigError
+from drain.spark import mapping as mapping_
+from drain.spark import progress, writer
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+#: Write partitions per core of the session, when neither --partitions nor an earlier
+#: run of the same id says otherwise (each partition is one task and one transaction).
+PARTITIONS_PER_CORE = 4
+
+
+def default_partitions(spark: SparkSession) -> int:
+    """``PARTITIONS_PER_CORE`` x the session's default parallelism (at least 4)."""
+    return max(4, PARTITIONS_PER_CORE * int(spark.sparkContext.defaultParallelism))
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How to run a backfill (besides the source and the mapping)."""
+
+    database_url: str
+    #: The backfill id: a re-run with the same id stages only what never committed.
+    run_id: str
+    #: Fixed for a backfill id: a record's partition is hash(key) mod this count.
+    partitions: int = 8
+    #: A Spark SQL condition on the source's records.
+    where: str | None = None
+    progress: bool = False
+    #: Arrow batches (None: when pyarrow and pandas are installed).
+    arrow: bool | None = None
+    faults: tuple[writer.Fault, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """What ``drain backfill`` prints at the end."""
+
+    summary: writer.WriteSummary
+    #: Every partition had been committed before: nothing was read or staged.
+    already_complete: bool
+    #: Wall time of the whole command (including planning and the ledger check).
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.summary.as_dict(), "already_complete": self.already_complete,
+                "total_seconds": round(self.seconds, 3)}
+
+    def text(self) -> str:
+        s = self.summary
+        if self.already_complete:
+            return (f"backfill {s.run_id!r}: already complete ({s.partitions} partitions "
+                    "committed by earlier runs); staged nothing. Use a new --id to stage again.")
+        notes = []
+        if s.skipped_earlier_run:
+            notes.append(f"{s.skipped_earlier_run} committed by an earlier run, skipped")
+        if s.retried_after_commit:
+            notes.append(f"{s.retried_after_commit} retried after their commit, not restaged")
+        note = f" ({'; '.join(notes)})" if notes else ""
+        return (f"backfill {s.run_id!r}: staged {s.rows:,} job(s) in {s.partitions} "
+                f"partitions{note} in {s.seconds:.1f}s, {s.rows_per_second:,.0f} rows/s")
+
+
+def check(m: mapping_.Mapping, options: Options) -> None:
+    """Refuse a malformed mapping or id before any Spark work (ConfigError, StagingError)."""
+    m.validate()
+    mapping_.validate_run_id(options.run_id)
+    if options.partitions < 1:
+        raise ConfigError("--partitions must be at least 1")
+
+
+def plan(df: DataFrame, m: mapping_.Mapping, options: Options) -> DataFrame:
+    """The jobs the backfill would stage (lazy)."""
+    if options.where:
+        df = df.filter(options.where)
+    return mapping_.jobs(df, m, options.run_id, options.partitions)
+
+
+def dry_run(df: DataFrame, m: mapping_.Mapping, options: Options, sample: int) -> dict[str, Any]:
+    """How many jobs a run would stage, and the first ``sample`` of them (by key)."""
+    check(m, options)
+    jobs = plan(df, m, options)
+    rows = jobs.orderBy("_key").limit(sample).collect() if sample > 0 else []
+    return {
+        "backfill_id": options.run_id,
+        "count": jobs.count(),
+        "partitions": options.partitions,
+        "sample": [
+            {
+                "task_id": r["task_id"], "task_name": m.task_name,
+                "args": json.loads(r["args"]), "kwargs": json.loads(r["kwargs"]),
+                "queue": m.queue, "priority": m.priority, "tag": m.tag,
+                "not_before": r["not_before"],
+            }
+            for r in rows
+        ],
+    }
+
+
+def run(spark: SparkSession, df: DataFrame, m: mapping_.Mapping, options: Options) -> Result:
+    """Stage one job per record of ``df``; safe to re-run with the same id."""
+    started = time.monotonic()
+    check(m, options)
+    state = writer.prepare(options.database_url, options.run_id, options.partitions)
+    if state.committed >= options.partitions:
+        summary = writer.WriteSummary(
+            run_id=options.run_id, partitions=options.partitions, rows=0, written=0,
+            skipped_earlier_run=state.committed, retried_after_commit=0, seconds=0.0,
+        )
+        return Result(summary, already_complete=True, seconds=time.monotonic() - started)
+    lines = mapping_.copy_lines(plan(df, m, options), m)
+    config = writer.WriterConfig(
+        database_url=options.database_url, run_id=options.run_id,
+        partitions=options.partitions, run_token=str(uuid.uuid4()), faults=options.faults,
+    )
+    with progress.tracking(spark.sparkContext, "backfill", enabled=options.progress):
+        summary = writer.write(lines, config, arrow=options.arrow)
+    return Result(summary, already_complete=False, seconds=time.monotonic() - started)

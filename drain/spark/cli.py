@@ -1,0 +1,438 @@
+"""``drain backfill`` and ``drain reconcile``: the Spark commands.
+
+:func:`add_parsers` registers both on the ``drain`` command's subparsers.
+Nothing here imports pyspark until a handler runs, so ``drain --help`` and the
+rest of drain work without it (``pip install 'drain[spark]'`` adds it).
+``python -m drain.spark`` runs the two commands alone (also the entry point
+to give ``spark-submit``, see docs/spark.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime as dt
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from drain.errors import ConfigError, DatabaseUnavailable, DrainError
+from drain.spark import mapping as mapping_
+from drain.spark import sources
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+_EPILOG = (
+    "Runs on Spark: local[*] by default (pip install 'drain[spark]' and a Java runtime), or "
+    "on a cluster through spark-submit (see docs/spark.md). Exit codes: 0 ok, 1 unexpected "
+    "error, 2 bad usage or input, 3 database unavailable, 4 schema missing."
+)
+
+
+# -- parsers ---------------------------------------------------------------------------
+
+
+def add_parsers(sub: Any) -> None:
+    """Register ``backfill`` and ``reconcile`` on ``drain``'s subparsers."""
+    from drain import cli as core  # noqa: PLC0415 - drain.cli imports this module
+
+    p = sub.add_parser(
+        "backfill",
+        help="stage one job per record of a dataset, on Spark (idempotent per --id)",
+        description="Stage one job per record of a Parquet/CSV/JSON dataset or a Postgres "
+        "table or query. Each Spark partition stages its jobs with COPY in one transaction "
+        "that also records it in drain_backfill_ledger: a retried task or a re-run with the "
+        "same --id never stages a record twice.",
+        epilog=_EPILOG,
+    )
+    core._add_database(p)
+    _add_source(p, "--source", "the records: parquet:PATH, csv:PATH, json:PATH, table:NAME "
+                "or 'query:SELECT ...'")
+    p.add_argument("--where", metavar="SQL", help="only the records matching this Spark SQL "
+                   "condition, e.g. \"user_id IN (1, 2)\"")
+    p.add_argument("--key", default="id", metavar="EXPR",
+                   help="the record's unique key (column or Spark SQL expression, default id): "
+                   "it fixes the job's task id and its partition")
+    _add_mapping(p, required=True)
+    p.add_argument("--id", dest="run_id", metavar="ID",
+                   help="the backfill id (default: the tag); a re-run with the same id stages "
+                   "only the partitions that never committed")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print how many jobs would be staged and a sample; stage nothing")
+    p.add_argument("--sample", type=int, default=5, metavar="N",
+                   help="jobs shown by --dry-run (default 5)")
+    _add_run(p)
+    p.set_defaults(func=cmd_backfill)
+
+    p = sub.add_parser(
+        "reconcile",
+        help="find records missing or stale downstream; with --stage, stage their repair",
+        description="Compare the source of truth (id and version) with the downstream's view "
+        "(a table, or files exported from it): report missing, stale and extra ids; with "
+        "--stage, stage a repair job per missing or stale record through the backfill's "
+        "idempotent writer.",
+        epilog=_EPILOG,
+    )
+    core._add_database(p)
+    _add_source(p, "--source", "the source of truth: table:NAME, 'query:SELECT ...', or "
+                "parquet:/csv:/json:PATH")
+    p.add_argument("--downstream", required=True, type=_source, metavar="KIND:WHAT",
+                   help="the downstream's view, e.g. table:search_index or parquet:/exports/ix")
+    p.add_argument("--downstream-url", metavar="URL",
+                   help="Postgres URL of a table:/query: downstream (default --database-url)")
+    p.add_argument("--id-column", default="id", help="the source's id column (default id)")
+    p.add_argument("--version-column", metavar="COLUMN",
+                   help="the source's version or updated-at column (without it, only "
+                   "missing and extra ids are found)")
+    p.add_argument("--downstream-id-column", metavar="COLUMN",
+                   help="the downstream's id column (default: --id-column)")
+    p.add_argument("--downstream-version-column", metavar="COLUMN",
+                   help="the downstream's version column (default: --version-column)")
+    p.add_argument("--stale-when", choices=("older", "different"), default="older",
+                   help="stale when the downstream version is older (default) or different")
+    p.add_argument("--sample", type=int, default=10, metavar="N",
+                   help="ids shown per category (default 10)")
+    p.add_argument("--report", metavar="FILE", help="also write the report to FILE as JSON")
+    p.add_argument("--stage", action="store_true",
+                   help="stage a job for every missing or stale record (needs --task, --tag)")
+    _add_mapping(p, required=False)
+    p.add_argument("--id", dest="run_id", metavar="ID",
+                   help="the repair run's id (default: TAG@<UTC time>, new every run)")
+    _add_run(p)
+    p.set_defaults(func=cmd_reconcile)
+
+
+def _source(text: str) -> sources.Source:
+    try:
+        return sources.Source.parse(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _columns(text: str) -> tuple[tuple[str, str], ...]:
+    try:
+        return mapping_.parse_columns(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _moment(text: str) -> dt.datetime:
+    try:
+        moment = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO date-time: {text!r}") from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=dt.timezone.utc)
+
+
+def _add_source(p: argparse.ArgumentParser, flag: str, what: str) -> None:
+    p.add_argument(flag, required=True, type=_source, metavar="KIND:WHAT", help=what)
+    p.add_argument("--source-url", metavar="URL",
+                   help="Postgres URL of a table:/query: source (default --database-url)")
+    p.add_argument("--partition-column", metavar="COLUMN",
+                   help="read a table:/query: source in parallel, split on this numeric column")
+    p.add_argument("--read-partitions", type=int, metavar="N",
+                   help="parallel JDBC reads with --partition-column (default: Spark's "
+                   "default parallelism)")
+
+
+def _add_mapping(p: argparse.ArgumentParser, *, required: bool) -> None:
+    from drain import cli as core  # noqa: PLC0415
+
+    p.add_argument("--task", required=required, metavar="NAME",
+                   help="the Celery task name, e.g. search.index_annotation")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--args", type=_columns, default=(), metavar="COLUMNS",
+                       help="positional args from columns, in order: a,b,c")
+    group.add_argument("--args-expr", metavar="SQL",
+                       help="positional args from a Spark SQL expression returning an array")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--kwargs", type=_columns, default=(), metavar="NAME=COLUMN,...",
+                       help="keyword args from columns: annotation_id=id,user_id")
+    group.add_argument("--kwargs-expr", metavar="SQL",
+                       help="keyword args from a Spark SQL expression returning a struct or "
+                       "map, e.g. \"named_struct('annotation_id', id)\"")
+    p.add_argument("--queue", default="celery", help="the Celery queue (default celery)")
+    p.add_argument("--priority", type=int, default=mapping_.DEFAULT_PRIORITY,
+                   help=f"staged_jobs priority (default {mapping_.DEFAULT_PRIORITY}: after "
+                   "the application's jobs)")
+    p.add_argument("--tag", required=required, help="who staged them, e.g. backfill.reindex")
+    p.add_argument("--spread", type=core._duration, metavar="DURATION",
+                   help="spread not_before evenly over this window (e.g. 6h), by a hash of "
+                   "the key, so that the workers are not flooded")
+    p.add_argument("--spread-start", type=_moment, metavar="ISO",
+                   help="the window's start (default now; naive means UTC)")
+
+
+def _add_run(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--partitions", type=int, metavar="N",
+                   help="write partitions, one task and one transaction each (default: the "
+                   "count of an earlier run with the same id, else 4 per Spark core)")
+    p.add_argument("--master", default=os.environ.get("DRAIN_SPARK_MASTER"), metavar="URL",
+                   help="Spark master (env DRAIN_SPARK_MASTER; default local[*], or the one "
+                   "spark-submit gives)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+
+# -- handlers ---------------------------------------------------------------------------
+
+
+def _mapping(args: argparse.Namespace, key: str) -> mapping_.Mapping:
+    return mapping_.Mapping(
+        task_name=args.task, key=key, tag=args.tag, args=args.args, args_expr=args.args_expr,
+        kwargs=args.kwargs, kwargs_expr=args.kwargs_expr, queue=args.queue,
+        priority=args.priority, spread=args.spread, spread_start=args.spread_start,
+    )
+
+
+def _partitions(args: argparse.Namespace, run_id: str, spark: SparkSession) -> int:
+    """--partitions, or the count an earlier run of this id used, or 4 per core."""
+    from drain.spark import backfill, writer  # noqa: PLC0415
+
+    if args.partitions is not None:
+        return int(args.partitions)
+    with contextlib.suppress(DatabaseUnavailable):
+        earlier = writer.earlier_partitions(args.database_url, run_id)
+        if earlier is not None:
+            return earlier
+    return backfill.default_partitions(spark)
+
+
+@contextlib.contextmanager
+def _spark(args: argparse.Namespace, app_name: str) -> Iterator[SparkSession]:
+    from drain.spark import session  # noqa: PLC0415
+
+    # py4j logs every closed gateway connection at INFO; pyspark logs every analysis
+    # error it raises (as JSON, on its own handler): drain reports it in one line.
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+    if not getattr(args, "verbose", False):
+        logging.getLogger("DataFrameQueryContextLogger").setLevel(logging.CRITICAL)
+    spark, created = session.get_session(args.master, app_name)
+    try:
+        with spark_errors():
+            yield spark
+    finally:
+        if created:
+            spark.stop()
+
+
+def _progress(args: argparse.Namespace, spark: SparkSession) -> bool:
+    from drain.spark import session  # noqa: PLC0415
+
+    return not args.no_progress and sys.stderr.isatty() and session.is_local(spark)
+
+
+def _read(spark: SparkSession, args: argparse.Namespace) -> Any:
+    url = args.source_url if args.source_url is not None else args.database_url
+    options = sources.JdbcOptions(database_url=url, partition_column=args.partition_column,
+                                  num_partitions=args.read_partitions)
+    return sources.read(spark, args.source, options)
+
+
+def cmd_backfill(args: argparse.Namespace) -> int:
+    """``drain backfill``: dry run, or stage and print the summary."""
+    from drain.spark import backfill  # noqa: PLC0415
+
+    run_id = args.run_id or args.tag
+    m = _mapping(args, args.key)
+    options = backfill.Options(database_url=args.database_url, run_id=run_id,
+                               partitions=args.partitions or 1, where=args.where)
+    backfill.check(m, options)  # before Spark starts
+    with _spark(args, "drain backfill") as spark:
+        options = dataclasses.replace(
+            options, partitions=_partitions(args, run_id, spark), progress=_progress(args, spark)
+        )
+        df = _read(spark, args)
+        if args.dry_run:
+            plan = backfill.dry_run(df, m, options, args.sample)
+            _print_dry_run(plan, args.json)
+            return 0
+        result = backfill.run(spark, df, m, options)
+    print(json.dumps(result.as_dict(), sort_keys=True) if args.json else result.text())
+    return 0
+
+
+def _print_dry_run(plan: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"dry_run": True, **plan}, sort_keys=True, default=str))
+        return
+    shown = len(plan["sample"])
+    print(f"dry run: backfill {plan['backfill_id']!r} would stage {plan['count']:,} job(s) in "
+          f"{plan['partitions']} partitions" + (f"; the first {shown} by key:" if shown else ""))
+    for job in plan["sample"]:
+        print("  " + json.dumps(job, sort_keys=True, default=str))
+
+
+def cmd_reconcile(args: argparse.Namespace) -> int:
+    """``drain reconcile``: report; with --stage, stage the repairs."""
+    from drain import cli as core  # noqa: PLC0415
+    from drain.spark import backfill, reconcile  # noqa: PLC0415
+
+    sides = reconcile.Sides(
+        id_column=args.id_column, version_column=args.version_column,
+        downstream_id_column=args.downstream_id_column,
+        downstream_version_column=args.downstream_version_column, stale_when=args.stale_when,
+    )
+    sides.validate()
+    m: mapping_.Mapping | None = None
+    options: backfill.Options | None = None
+    if args.stage:
+        if not args.task or not args.tag:
+            raise core.UsageError("--stage needs --task and --tag (e.g. reconcile.search_index)")
+        now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        run_id = args.run_id or f"{args.tag}@{now}"
+        m = _mapping(args, f"`{args.id_column}`")
+        options = backfill.Options(database_url=args.database_url, run_id=run_id,
+                                   partitions=args.partitions or 1)
+        backfill.check(m, options)  # before Spark starts
+    with _spark(args, "drain reconcile") as spark:
+        from pyspark import StorageLevel  # noqa: PLC0415
+
+        truth = _read(spark, args)
+        downstream_url = (args.downstream_url if args.downstream_url is not None
+                          else args.database_url)
+        downstream = sources.read(spark, args.downstream,
+                                  sources.JdbcOptions(database_url=downstream_url))
+        # Cached: the report and the staged repairs come from the same comparison.
+        compared = reconcile.compare(truth, downstream, sides).persist(
+            StorageLevel.MEMORY_AND_DISK
+        )
+        staged: str | None = None
+        try:
+            rep = reconcile.report(compared, args.sample)
+            if m is not None and options is not None:
+                fixes = reconcile.repairs(compared, truth.columns)
+                options = dataclasses.replace(
+                    options, partitions=_partitions(args, options.run_id, spark),
+                    progress=_progress(args, spark),
+                )
+                result = backfill.run(spark, fixes, m, options)
+                rep["staged"] = {**result.as_dict(), "tag": m.tag, "task": m.task_name}
+                staged = result.text().replace("backfill", "repairs", 1)
+        finally:
+            compared.unpersist()
+    if args.report:
+        with open(args.report, "w", encoding="utf-8") as out:
+            json.dump(rep, out, indent=2, sort_keys=True, default=str)
+    if args.json:
+        print(json.dumps(rep, sort_keys=True, default=str))
+    else:
+        print(reconcile.table(rep))
+        if staged:
+            print(staged)
+    return 0
+
+
+# -- Spark's errors as drain's --------------------------------------------------------
+
+_PY_ERROR = re.compile(
+    r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Violation|Fault)): (.+)$", re.MULTILINE
+)
+_UNREACHABLE = re.compile(
+    r"Connection to \S+ refused|connection attempt failed|password authentication failed|"
+    r"could not connect|Connection refused|OperationalError",
+)
+
+
+@contextlib.contextmanager
+def spark_errors() -> Iterator[None]:
+    """Turn pyspark's and the executors' exceptions into drain's (one line, exit code)."""
+    try:
+        yield
+    except DrainError:
+        raise
+    except Exception as exc:
+        translated = describe(exc)
+        if translated is None:
+            raise
+        raise translated from exc
+
+
+def describe(exc: BaseException) -> DrainError | None:
+    """A DrainError for an exception raised by pyspark or py4j; None for anything else."""
+    from drain import cli as core  # noqa: PLC0415
+
+    module = type(exc).__module__
+    if not module.startswith(("pyspark", "py4j")):
+        return None
+    text = str(exc)
+    if "org.postgresql.Driver" in text or "No suitable driver" in text:
+        return ConfigError(
+            "the Postgres JDBC driver is not on Spark's classpath: install "
+            "libpostgresql-jdbc-java (/usr/share/java/postgresql.jar), set DRAIN_SPARK_JDBC_JAR, "
+            "or pass spark-submit --jars postgresql.jar"
+        )
+    psql = re.search(r"PSQLException: (.+)", text)
+    if psql:
+        message = psql.group(1).strip()
+        if _UNREACHABLE.search(message):
+            return DatabaseUnavailable(f"database unavailable to Spark: {message}")
+        return core.UsageError(f"Postgres refused a Spark read: {message}")
+    raised = re.search(r"\[USER_RAISED_EXCEPTION\] (.+?)(?: SQLSTATE: \w+|$)", text, re.MULTILINE)
+    if raised:  # raise_error() in drain's own expressions: a NULL key, args...
+        return core.UsageError(raised.group(1).strip())
+    if type(exc).__name__ in ("AnalysisException", "ParseException"):
+        return core.UsageError(f"Spark: {_first_line(text)}")
+    found = [m for m in _PY_ERROR.finditer(text) if not m.group(1).startswith("Py4J")]
+    for match in reversed(found):
+        name, message = match.group(1), match.group(2).strip()
+        if name in ("PythonException", "SparkException"):
+            continue
+        if _UNREACHABLE.search(name + " " + message):
+            return DatabaseUnavailable(f"a Spark task could not reach the database: {message}")
+        return DrainError(f"a Spark task failed: {name}: {message}")
+    return DrainError(f"Spark failed: {_first_line(text)}")
+
+
+def _first_line(text: str) -> str:
+    stripped = text.strip()
+    line = stripped.splitlines()[0] if stripped else "unknown error"
+    return re.sub(r"\s*SQLSTATE: \w+;?$", "", line)
+
+
+# -- python -m drain.spark ----------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A ``drain`` parser with only the Spark commands (for ``python -m drain.spark``)."""
+    from drain import __version__  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(
+        prog="drain", description="drain's Spark commands: backfill and reconcile.",
+        epilog=_EPILOG,
+    )
+    parser.add_argument("--version", action="version", version=f"drain {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="debug logging and tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    add_parsers(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``backfill`` or ``reconcile`` as ``drain`` would: one-line errors, exit codes."""
+    from drain import cli as core  # noqa: PLC0415
+
+    args = build_parser().parse_args(argv)
+    core._configure_logging(args.verbose)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except KeyboardInterrupt:
+        return int(core.Exit.OK)
+    except Exception as exc:
+        code = next((c for t, c in core._EXIT_CODES if isinstance(exc, t)), core.Exit.ERROR)
+        if args.verbose:
+            core.log.exception("drain %s failed", args.command)
+        text = str(exc) if isinstance(exc, DrainError) else f"{type(exc).__name__}: {exc}"
+        text = text.strip().splitlines()[0] if text.strip() else text
+        from drain import config  # noqa: PLC0415
+
+        print(f"drain: error: {config.scrub(text, core._secrets(args))}", file=sys.stderr)
+        return int(code)

@@ -1,0 +1,75 @@
+"""The SparkSession drain's Spark commands run on.
+
+Locally (the default) the session is ``local[*]``: no cluster, nothing to
+install but ``pip install drain[spark]`` and a Java runtime. Executors run the
+interpreter that runs drain (``PYSPARK_PYTHON`` defaults to it), and Debian's
+Postgres JDBC driver (``/usr/share/java/postgresql.jar``, package
+``libpostgresql-jdbc-java``) is put on the classpath when it is there.
+
+Under ``spark-submit`` (``PYSPARK_GATEWAY_PORT`` is set) drain changes nothing:
+the master, ``--jars`` and ``PYSPARK_PYTHON`` are whatever the submit gave.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+DEFAULT_MASTER = "local[*]"
+DEBIAN_JDBC_JAR = Path("/usr/share/java/postgresql.jar")
+JDBC_DRIVER = "org.postgresql.Driver"
+
+
+def jdbc_jar() -> Path | None:
+    """The Postgres JDBC jar to put on a local session's classpath, if any.
+
+    ``DRAIN_SPARK_JDBC_JAR`` names it; otherwise Debian's package's jar.
+    """
+    named = os.environ.get("DRAIN_SPARK_JDBC_JAR")
+    if named:
+        return Path(named)
+    return DEBIAN_JDBC_JAR if DEBIAN_JDBC_JAR.is_file() else None
+
+
+def under_spark_submit() -> bool:
+    """True when spark-submit launched this interpreter (it owns the configuration)."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
+def get_session(master: str | None, app_name: str) -> tuple[SparkSession, bool]:
+    """The active SparkSession, or a new one; ``(session, created_here)``.
+
+    ``master`` is ``--master`` / ``DRAIN_SPARK_MASTER``; ``None`` means
+    ``local[*]``, except under spark-submit, whose master is kept.
+    """
+    from pyspark.sql import SparkSession  # noqa: PLC0415 - pyspark is optional
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active, False
+    builder = SparkSession.builder.appName(app_name)
+    if master or not under_spark_submit():
+        master = master or DEFAULT_MASTER
+        builder = builder.master(master)
+        if master.startswith("local"):
+            # Executors are this process's children: let them import drain.
+            os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+            jar = jdbc_jar()
+            if jar is not None:
+                builder = builder.config("spark.jars", str(jar))
+            builder = builder.config("spark.ui.enabled", "false")
+    # drain draws its own progress bar (drain.spark.progress), in partitions.
+    builder = builder.config("spark.ui.showConsoleProgress", "false")
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    return session, True
+
+
+def is_local(session: SparkSession) -> bool:
+    """True when the session runs in local mode."""
+    return str(session.sparkContext.master).startswith("local")

@@ -1,0 +1,368 @@
+"""The idempotent per-partition writer: COPY into staged_jobs plus a ledger row, in one
+transaction.
+
+The jobs are hash-partitioned on their key into a fixed number of partitions
+(``repartition(n, key)``: partition ``pmod(murmur3(key), n)``), so a given
+record always lands in the same partition, on a Spark task retry (which
+re-runs the same partition index over the same shuffle output) and on a whole
+re-run of the backfill. Every row carries the partition it was assigned to
+(``_bucket``, computed with the same hash) and the writer checks it: if the
+partitioning ever differed, the partition fails instead of staging rows twice.
+
+Each partition, on an executor, in one transaction:
+
+1. ``INSERT INTO drain_backfill_ledger (backfill_id, partition, ...) ON
+   CONFLICT DO NOTHING RETURNING``: no row back means the partition has been
+   committed already (by an earlier attempt or an earlier run) -> stage
+   nothing. A concurrent attempt of the same partition waits here on the
+   primary key until the first one commits or rolls back.
+2. ``COPY staged_jobs (...) FROM STDIN (FORMAT csv)``: the partition's jobs.
+3. Record the row count; COMMIT. The jobs and the ledger row commit together
+   or not at all, so a failure anywhere before the commit leaves nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from importlib import resources
+from typing import TYPE_CHECKING, Any, Literal
+
+import psycopg
+
+from drain.config import mask_database_url
+from drain.errors import ConfigError, DatabaseUnavailable, DrainError, SchemaMissing
+from drain.spark.mapping import COPY_COLUMNS
+from drain.store import first_line
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+LEDGER = "drain_backfill_ledger"
+_CHUNK_ROWS = 8192
+_RESULT_SCHEMA = "partition int, rows long, skipped boolean, retried_after_commit boolean"
+_COPY = f"COPY staged_jobs ({', '.join(COPY_COLUMNS)}) FROM STDIN (FORMAT csv)"
+_CLAIM = (
+    "INSERT INTO drain_backfill_ledger (backfill_id, partition, partitions, run_token) "
+    "VALUES (%s, %s, %s, %s) ON CONFLICT (backfill_id, partition) DO NOTHING RETURNING 1"
+)
+_EARLIER = (
+    "SELECT rows, run_token::text FROM drain_backfill_ledger "
+    "WHERE backfill_id = %s AND partition = %s"
+)
+_COUNT = (
+    "UPDATE drain_backfill_ledger SET rows = %s, committed_at = now() "
+    "WHERE backfill_id = %s AND partition = %s"
+)
+
+
+class PartitioningError(DrainError):
+    """A row reached a partition other than the one its key hashes to."""
+
+
+class InjectedFault(RuntimeError):
+    """A failure injected on purpose (tests): see :class:`Fault`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """Fail ``partition``'s first ``attempts`` Spark attempts at ``point`` (for tests).
+
+    ``before_commit`` raises after the COPY, inside the transaction (nothing
+    commits); ``after_commit`` raises once the transaction has committed, as
+    an executor lost right after its commit would look to Spark.
+    """
+
+    partition: int
+    point: Literal["before_commit", "after_commit"]
+    attempts: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class WriterConfig:
+    """What every partition's writer needs (pickled to the executors)."""
+
+    database_url: str
+    run_id: str
+    partitions: int
+    #: Identifies this invocation: a partition skipped because this very run
+    #: committed it (a retried task) still counts as staged by this run.
+    run_token: str
+    faults: tuple[Fault, ...] = ()
+    chunk_rows: int = _CHUNK_ROWS
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionResult:
+    partition: int
+    #: Jobs staged by this run in the partition.
+    rows: int
+    #: True when the partition had been committed before this attempt started.
+    skipped: bool = False
+    #: ... by an earlier attempt of this same run (a task retried after its commit).
+    retried_after_commit: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteSummary:
+    """What a write did: rows staged, partitions written or found committed, time."""
+
+    run_id: str
+    partitions: int
+    rows: int
+    written: int
+    skipped_earlier_run: int
+    retried_after_commit: int
+    seconds: float
+
+    @property
+    def rows_per_second(self) -> float:
+        return self.rows / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "rows_per_second": round(self.rows_per_second, 1)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LedgerState:
+    """The ledger's record of one backfill id."""
+
+    partitions: int | None
+    committed: int
+    rows: int
+
+
+# -- on the driver -------------------------------------------------------------------
+
+
+def ledger_sql() -> str:
+    return resources.files("drain.spark").joinpath("ledger.sql").read_text("utf-8")
+
+
+def connect(database_url: str, purpose: str) -> psycopg.Connection[tuple[Any, ...]]:
+    try:
+        return psycopg.connect(database_url, connect_timeout=10, autocommit=True,
+                               application_name=purpose[:63])
+    except psycopg.Error as exc:
+        raise DatabaseUnavailable(
+            f"database {mask_database_url(database_url)} unreachable: {first_line(exc)}"
+        ) from None
+
+
+def prepare(database_url: str, run_id: str, partitions: int) -> LedgerState:
+    """Check staged_jobs exists, create the ledger if needed, and check ``partitions``
+    against an earlier run of ``run_id`` (a different count would re-assign rows)."""
+    with connect(database_url, "drain spark") as conn:
+        present = conn.execute("SELECT to_regclass('staged_jobs') IS NOT NULL").fetchone()
+        if not present or not present[0]:
+            raise SchemaMissing(
+                f"database {mask_database_url(database_url)} has no staged_jobs table: "
+                "run `drain migrate` first"
+            )
+        ledger = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (LEDGER,)).fetchone()
+        if not ledger or not ledger[0]:  # `drain migrate` creates it; older schemas lack it
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext('drain migrate'))")
+                conn.execute(ledger_sql().encode())
+        state = ledger_state(conn, run_id)
+    if state.partitions is not None and state.partitions != partitions:
+        raise ConfigError(
+            f"backfill id {run_id!r} was started with {state.partitions} partitions "
+            f"({state.committed} committed): re-run it with --partitions {state.partitions} "
+            "(rows are assigned to partitions by their key modulo the count), or use a new id"
+        )
+    return state
+
+
+def earlier_partitions(database_url: str, run_id: str) -> int | None:
+    """The partition count an earlier run of ``run_id`` used (None: no earlier run)."""
+    with connect(database_url, "drain spark") as conn:
+        exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (LEDGER,)).fetchone()
+        if not exists or not exists[0]:
+            return None
+        return ledger_state(conn, run_id).partitions
+
+
+def ledger_state(conn: psycopg.Connection[tuple[Any, ...]], run_id: str) -> LedgerState:
+    row = conn.execute(
+        "SELECT max(partitions), count(*), coalesce(sum(rows), 0) FROM drain_backfill_ledger "
+        "WHERE backfill_id = %s",
+        (run_id,),
+    ).fetchone()
+    assert row is not None
+    return LedgerState(
+        partitions=int(row[0]) if row[0] is not None else None,
+        committed=int(row[1]),
+        rows=int(row[2]),
+    )
+
+
+def write(lines: DataFrame, config: WriterConfig, *, arrow: bool | None = None) -> WriteSummary:
+    """Stage ``lines`` (``_bucket``, ``line``: see :func:`drain.spark.mapping.copy_lines`),
+    whose partition ``i`` holds exactly the rows of bucket ``i``.
+
+    With ``arrow`` (the default when pyarrow and pandas are installed), each
+    partition receives Arrow batches and COPYs their string buffers as they
+    are: no Python object per row. Without, it iterates over rows.
+    """
+    if arrow is None:
+        arrow = arrow_available()
+    started = time.monotonic()
+    if arrow:
+        with warnings.catch_warnings():
+            # pyspark warns about pandas versions it has not certified; Arrow is all we use.
+            warnings.simplefilter("ignore", FutureWarning)
+            results = [
+                PartitionResult(r.partition, r.rows, r.skipped, r.retried_after_commit)
+                for r in lines.select("_bucket", "line")
+                .mapInArrow(functools.partial(write_arrow_partition, config), _RESULT_SCHEMA)
+                .collect()
+            ]
+    else:
+        results = (
+            lines.select("_bucket", "line")
+            .rdd.mapPartitionsWithIndex(functools.partial(write_row_partition, config))
+            .collect()
+        )
+    seconds = time.monotonic() - started
+    # Spark may run fewer tasks than partitions (none at all for an empty input), never
+    # more, and never one partition twice in the results.
+    indexes = [r.partition for r in results]
+    if len(set(indexes)) != len(indexes) or not set(indexes) <= set(range(config.partitions)):
+        raise PartitioningError(
+            f"expected partitions 0..{config.partitions - 1} once each, Spark ran "
+            f"{sorted(indexes)}: the input was not partitioned by drain.spark.mapping.jobs"
+        )
+    return WriteSummary(
+        run_id=config.run_id,
+        partitions=config.partitions,
+        rows=sum(r.rows for r in results),
+        written=sum(1 for r in results if not r.skipped or r.retried_after_commit),
+        skipped_earlier_run=sum(1 for r in results if r.skipped and not r.retried_after_commit),
+        retried_after_commit=sum(1 for r in results if r.retried_after_commit),
+        seconds=seconds,
+    )
+
+
+def arrow_available() -> bool:
+    """pyspark's mapInArrow needs pyarrow, and checks that pandas is installed."""
+    return all(importlib.util.find_spec(name) is not None for name in ("pyarrow", "pandas"))
+
+
+# -- on the executors ----------------------------------------------------------------
+
+
+def _attempt() -> int:
+    from pyspark import TaskContext  # noqa: PLC0415
+
+    context = TaskContext.get()
+    return context.attemptNumber() if context is not None else 0
+
+
+def _fault(config: WriterConfig, index: int, point: str) -> None:
+    for fault in config.faults:
+        if fault.partition == index and fault.point == point and _attempt() < fault.attempts:
+            raise InjectedFault(f"injected failure {point} in partition {index}")
+
+
+def write_arrow_partition(config: WriterConfig, batches: Iterable[Any]) -> Iterator[Any]:
+    """mapInArrow: stage the partition's Arrow batches; yields one result batch."""
+    import pyarrow as pa  # noqa: PLC0415
+
+    index = _partition_id()
+    result = _write_partition(config, index, _arrow_chunks(index, batches))
+    schema = pa.schema([
+        ("partition", pa.int32()), ("rows", pa.int64()), ("skipped", pa.bool_()),
+        ("retried_after_commit", pa.bool_()),
+    ])
+    yield pa.RecordBatch.from_pylist([dataclasses.asdict(result)], schema=schema)
+
+
+def write_row_partition(
+    config: WriterConfig, index: int, rows: Iterable[tuple[int, str]]
+) -> Iterator[PartitionResult]:
+    """mapPartitionsWithIndex: stage the partition's rows; yields one result."""
+    yield _write_partition(config, index, _row_chunks(index, rows, config.chunk_rows))
+
+
+def _partition_id() -> int:
+    from pyspark import TaskContext  # noqa: PLC0415
+
+    context = TaskContext.get()
+    assert context is not None, "not in a Spark task"
+    return context.partitionId()
+
+
+def _misplaced(bucket: int, index: int) -> PartitioningError:
+    return PartitioningError(
+        f"a row of partition {bucket} reached partition {index}: the rows are not "
+        "hash-partitioned on their key as drain expects, so retries would not be "
+        "idempotent; nothing of this partition was staged"
+    )
+
+
+def _arrow_chunks(index: int, batches: Iterable[Any]) -> Iterator[tuple[int, bytes | memoryview]]:
+    """Each batch's lines as one buffer: Arrow keeps a string column's characters
+    contiguous, and every line ends with a newline, so the buffer is COPY input."""
+    import pyarrow as pa  # noqa: PLC0415
+    import pyarrow.compute as pc  # noqa: PLC0415
+
+    for batch in batches:
+        if batch.num_rows == 0:
+            continue
+        buckets, lines = batch.column(0), batch.column(1)
+        if lines.null_count:
+            raise DrainError(f"partition {index}: a job line is NULL")
+        wrong = pc.filter(buckets, pc.not_equal(buckets, index))
+        if len(wrong):
+            raise _misplaced(wrong[0].as_py(), index)
+        _, offsets, data = lines.buffers()
+        bounds = memoryview(offsets).cast("q" if pa.types.is_large_string(lines.type) else "i")
+        start, end = bounds[lines.offset], bounds[lines.offset + len(lines)]
+        yield batch.num_rows, memoryview(data)[start:end]
+
+
+def _row_chunks(
+    index: int, rows: Iterable[tuple[int, str]], chunk_rows: int
+) -> Iterator[tuple[int, bytes | memoryview]]:
+    chunk: list[str] = []
+    for bucket, line in rows:
+        if bucket != index:
+            raise _misplaced(bucket, index)
+        chunk.append(line)
+        if len(chunk) >= chunk_rows:
+            yield len(chunk), "".join(chunk).encode()
+            chunk.clear()
+    if chunk:
+        yield len(chunk), "".join(chunk).encode()
+
+
+def _write_partition(
+    config: WriterConfig, index: int, chunks: Iterable[tuple[int, bytes | memoryview]]
+) -> PartitionResult:
+    name = f"drain backfill {config.run_id} p{index}"
+    with psycopg.connect(config.database_url, connect_timeout=10, autocommit=True,
+                         application_name=name[:63]) as conn:
+        with conn.transaction():
+            claimed = conn.execute(
+                _CLAIM, (config.run_id, index, config.partitions, config.run_token)
+            ).fetchone()
+            if claimed is None:  # committed before: by this run (a retry) or an earlier one
+                earlier = conn.execute(_EARLIER, (config.run_id, index)).fetchone()
+                assert earlier is not None
+                this_run = earlier[1] == config.run_token
+                return PartitionResult(index, int(earlier[0]) if this_run else 0,
+                                       skipped=True, retried_after_commit=this_run)
+            count = 0
+            with conn.cursor().copy(_COPY) as copy:
+                for rows, payload in chunks:
+                    copy.write(payload)
+                    count += rows
+            conn.execute(_COUNT, (count, config.run_id, index))
+            _fault(config, index, "before_commit")
+        _fault(config, index, "after_commit")
+    return PartitionResult(index, count)
