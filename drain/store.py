@@ -47,8 +47,20 @@ CLIENT_DEFAULTS = {
     "keepalives_count": 3,
 }
 
+#: ``enable_seqscan`` / ``enable_bitmapscan`` off: the drain's queries must walk
+#: their indexes in order and stop at LIMIT. A queue table changes faster than
+#: its statistics (a fresh backlog of a million rows looks empty to the
+#: planner until autoanalyze runs), and a plan that reads the whole backlog and
+#: sorts it costs O(backlog) per batch; measured: 13 ms instead of 0.9 ms per
+#: fetch at 40,000 rows, growing with the backlog. ``plan_cache_mode`` for the
+#: same reason: psycopg prepares a statement after a few runs, and Postgres's
+#: generic plan for the fetch (array sizes and LIMIT unknown) cost ~20 ms per
+#: batch in a live drain against ~2 ms for the custom one (planning: ~1 ms).
 SESSION_SETTINGS = {
     "synchronous_commit": "off",
+    "enable_seqscan": "off",
+    "enable_bitmapscan": "off",
+    "plan_cache_mode": "force_custom_plan",
     "statement_timeout": "30s",
     "lock_timeout": "10s",
     "tcp_keepalives_idle": "5",

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import psycopg
 
+from drain import sql
 from drain.config import Settings
 from drain.store import Store
 
@@ -24,12 +28,52 @@ def test_session_settings_and_user_options(db_url: str) -> None:
         settings: dict[str, str] = {str(k): str(v) for k, v in conn2.execute(
             "SELECT name, setting FROM pg_settings WHERE name IN ("
             "'synchronous_commit', 'statement_timeout', 'idle_in_transaction_session_timeout',"
-            "'search_path', 'tcp_keepalives_idle')"
+            "'search_path', 'tcp_keepalives_idle', 'enable_seqscan', 'enable_bitmapscan', "
+            "'plan_cache_mode')"
         ).fetchall()}
         assert settings["synchronous_commit"] == "off"
         assert settings["statement_timeout"] == "30000"
         assert settings["idle_in_transaction_session_timeout"] == "40000"  # confirm + 30 s
         assert settings["search_path"] == "public,pg_catalog"  # the user's options survive
+        # Plans that walk the indexes and stop at LIMIT, whatever the statistics say.
+        assert settings["enable_seqscan"] == settings["enable_bitmapscan"] == "off"
+        assert settings["plan_cache_mode"] == "force_custom_plan"
         assert conn2.info.get_parameters()["keepalives_idle"] == "9"
     finally:
         store.close()
+
+
+def test_fetch_walks_the_index_on_a_table_the_planner_knows_nothing_about(db_url: str) -> None:
+    """A fresh backlog (no ANALYZE yet) must not be read whole and sorted per batch."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO staged_jobs (task_name, args) "
+            "SELECT 't', jsonb_build_array(g) FROM generate_series(1, 40000) g"
+        )
+    store = Store(Settings(database_url=db_url))
+    store.connect()
+    try:
+        conn = store._require()
+        rows = conn.execute(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + sql.query("fetch_batch"),
+            {"limit": 1000, "exclude": list(range(1, 1001)), "paused": []},
+        ).fetchone()
+        assert rows is not None
+        explained: Any = rows[0]
+        plan = json.dumps(explained)
+        assert "Seq Scan" not in plan and "Bitmap Heap Scan" not in plan
+        assert '"Index Name": "staged_jobs_ready_idx"' in plan
+        # The scan stops after the rows it needs: 1,000 in flight skipped + 1,000 fetched.
+        scanned = [node for node in _nodes(explained[0]["Plan"])
+                   if node.get("Index Name") == "staged_jobs_ready_idx"]
+        assert scanned and scanned[0]["Actual Rows"] + scanned[0].get(
+            "Rows Removed by Filter", 0) <= 2000
+    finally:
+        store.close()
+
+
+def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+    found = [node]
+    for child in node.get("Plans", []):
+        found += _nodes(child)
+    return found
