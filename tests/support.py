@@ -73,8 +73,10 @@ def broker_channel() -> Iterator[Any]:
 
 
 def delete_queue(queue: str) -> None:
+    """Delete the queue, and the exchange of the same name a Celery worker declares for it."""
     with broker_channel() as ch:
         ch.queue_delete(queue)
+        ch.exchange_delete(queue)  # deleting a missing exchange is not an error
 
 
 def queue_depth(queue: str) -> int:
