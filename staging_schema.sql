@@ -171,8 +171,8 @@ CREATE INDEX IF NOT EXISTS drain_processed_at_idx ON drain_processed (processed_
 -- drain backfill / reconcile --stage: one row per committed Spark partition,
 -- written in the same transaction as the partition's jobs, so that a retried
 -- Spark task or a re-run with the same backfill id stages nothing twice (see
--- drain/spark/writer.py; drain/spark/ledger.sql is the same table). The role
--- running backfills needs SELECT, INSERT, UPDATE on it and INSERT on staged_jobs.
+-- drain/spark/writer.py). The role running backfills needs SELECT, INSERT,
+-- UPDATE on it and INSERT on staged_jobs.
 CREATE TABLE IF NOT EXISTS drain_backfill_ledger (
     backfill_id  text        NOT NULL,
     partition    integer     NOT NULL,

@@ -7,6 +7,7 @@ here sleeps to synchronise: waits poll a condition against a deadline.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -24,6 +25,7 @@ from typing import Any
 import pika
 import psycopg
 
+import drain
 from drain.config import broker_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,6 +108,35 @@ def drain_queue(queue: str, timeout: float = 2.0) -> list[tuple[Any, Any, bytes]
 
 def task_ids(messages: list[tuple[Any, Any, bytes]]) -> list[str]:
     return [str(p.headers["id"]) for _, p, _ in messages]
+
+
+def stage_backlog(db_url: str, queue: str, n: int) -> dict[str, int]:
+    """Stage ``n`` jobs in one transaction (COPY); {task id: i}, args [i], kwargs {"i": i}."""
+    with psycopg.connect(db_url) as conn:
+        ids = drain.stage_many(
+            conn, (drain.Job("celery_app.record", [i], {"i": i}, queue=queue) for i in range(n))
+        )
+    return {str(task_id): i for i, task_id in enumerate(ids)}
+
+
+def check_at_least_once(
+    messages: list[tuple[Any, Any, bytes]], staged: dict[str, int]
+) -> collections.Counter[str]:
+    """Every staged job arrived, nothing else did, and all copies of a job are identical."""
+    copies: collections.Counter[str] = collections.Counter()
+    bodies: dict[str, set[bytes]] = collections.defaultdict(set)
+    for _, props, body in messages:
+        task_id = str(props.headers["id"])
+        assert task_id in staged, f"published a job that was never committed: {task_id}"
+        assert props.correlation_id == task_id
+        args, kwargs, _embed = json.loads(body)
+        assert args == [staged[task_id]] and kwargs == {"i": staged[task_id]}
+        copies[task_id] += 1
+        bodies[task_id].add(body)
+    missing = set(staged) - set(copies)
+    assert not missing, f"{len(missing)} committed job(s) never reached the queue"
+    assert all(len(b) == 1 for b in bodies.values()), "copies of one job differ"
+    return copies
 
 
 # -- postgres ----------------------------------------------------------------------

@@ -29,7 +29,6 @@ import importlib.util
 import time
 import warnings
 from collections.abc import Iterable, Iterator
-from importlib import resources
 from typing import TYPE_CHECKING, Any, Literal
 
 import psycopg
@@ -139,10 +138,6 @@ class LedgerState:
 # -- on the driver -------------------------------------------------------------------
 
 
-def ledger_sql() -> str:
-    return resources.files("drain.spark").joinpath("ledger.sql").read_text("utf-8")
-
-
 def connect(database_url: str, purpose: str) -> psycopg.Connection[tuple[Any, ...]]:
     try:
         return psycopg.connect(database_url, connect_timeout=10, autocommit=True,
@@ -154,8 +149,9 @@ def connect(database_url: str, purpose: str) -> psycopg.Connection[tuple[Any, ..
 
 
 def prepare(database_url: str, run_id: str, partitions: int) -> LedgerState:
-    """Check staged_jobs exists, create the ledger if needed, and check ``partitions``
-    against an earlier run of ``run_id`` (a different count would re-assign rows)."""
+    """Check the schema (staged_jobs and the ledger, both from `drain migrate`) and
+    ``partitions`` against an earlier run of ``run_id`` (a different count would
+    re-assign rows)."""
     with connect(database_url, "drain spark") as conn:
         present = conn.execute("SELECT to_regclass('staged_jobs') IS NOT NULL").fetchone()
         if not present or not present[0]:
@@ -164,10 +160,11 @@ def prepare(database_url: str, run_id: str, partitions: int) -> LedgerState:
                 "run `drain migrate` first"
             )
         ledger = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (LEDGER,)).fetchone()
-        if not ledger or not ledger[0]:  # `drain migrate` creates it; older schemas lack it
-            with conn.transaction():
-                conn.execute("SELECT pg_advisory_xact_lock(hashtext('drain migrate'))")
-                conn.execute(ledger_sql().encode())
+        if not ledger or not ledger[0]:
+            raise SchemaMissing(
+                f"database {mask_database_url(database_url)} has an older drain schema "
+                f"(no {LEDGER} table): run `drain migrate`"
+            )
         state = ledger_state(conn, run_id)
     if state.partitions is not None and state.partitions != partitions:
         raise ConfigError(

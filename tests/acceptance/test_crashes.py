@@ -11,46 +11,17 @@ import random
 import signal
 import threading
 import time
-from collections import Counter, defaultdict
 from typing import Any
 
 import psycopg
 
-import drain
 from tests import support
-
-
-def _stage_backlog(db_url: str, queue: str, n: int) -> dict[str, Any]:
-    with psycopg.connect(db_url) as conn:
-        ids = drain.stage_many(
-            conn, (drain.Job("celery_app.record", [i], {"i": i}, queue=queue) for i in range(n))
-        )
-    return {str(task_id): i for i, task_id in enumerate(ids)}
-
-
-def _check_at_least_once(
-    messages: list[tuple[Any, Any, bytes]], staged: dict[str, Any]
-) -> Counter[str]:
-    copies: Counter[str] = Counter()
-    bodies: dict[str, set[bytes]] = defaultdict(set)
-    for _, props, body in messages:
-        task_id = str(props.headers["id"])
-        assert task_id in staged, f"published a job that was never staged: {task_id}"
-        assert props.correlation_id == task_id
-        args, kwargs, _embed = json.loads(body)
-        assert args == [staged[task_id]] and kwargs == {"i": staged[task_id]}
-        copies[task_id] += 1
-        bodies[task_id].add(body)
-    missing = set(staged) - set(copies)
-    assert not missing, f"{len(missing)} committed job(s) never reached the queue"
-    assert all(len(b) == 1 for b in bodies.values()), "copies of one job differ"
-    return copies
 
 
 def test_kill_9_at_random_moments_loses_nothing(
     db_url: str, queue: str, spawn: Any
 ) -> None:
-    staged = _stage_backlog(db_url, queue, 30_000)
+    staged = support.stage_backlog(db_url, queue, 30_000)
     env = support.drain_env(db_url)
     rng = random.Random()
     pause = threading.Event()  # never set: its wait() is an interruptible, bounded pause
@@ -70,13 +41,13 @@ def test_kill_9_at_random_moments_loses_nothing(
     final = spawn(support.drain_argv("run"), env, "drain-final")
     support.wait_for(lambda: support.staged_count(db_url) == 0, 120, "the backlog to drain")
     final.stop()
-    copies = _check_at_least_once(support.drain_queue(queue), staged)
+    copies = support.check_at_least_once(support.drain_queue(queue), staged)
     duplicates = sum(c - 1 for c in copies.values())
     print(f"{kills} kills, {len(staged)} jobs, {duplicates} duplicate deliveries")
 
 
 def test_sigterm_exits_promptly_and_cleanly(db_url: str, queue: str, spawn: Any) -> None:
-    staged = _stage_backlog(db_url, queue, 30_000)
+    staged = support.stage_backlog(db_url, queue, 30_000)
     proc = spawn(support.drain_argv("run", "--batch-size", "200"), support.drain_env(db_url),
                  "drain")
     support.wait_for(lambda: support.staged_count(db_url) < len(staged), 60,
@@ -107,10 +78,10 @@ def test_standby_takes_over_when_the_active_drain_dies(
     second = spawn(support.drain_argv("run"), env, "second")
     second.wait_for_output("standby: another drain holds the lock", timeout=30)
 
-    before = _stage_backlog(db_url, queue, 200)
+    before = support.stage_backlog(db_url, queue, 200)
     support.wait_for(lambda: support.staged_count(db_url) == 0, 30, "the first drain to publish")
     messages = support.drain_queue(queue)
-    _check_at_least_once(messages, before)
+    support.check_at_least_once(messages, before)
     origins = {p.headers["origin"].split("@")[0] for _, p, _ in messages}
     assert origins == {f"gen{first.pid}"}, "only the lock holder may publish"
 
@@ -121,11 +92,11 @@ def test_standby_takes_over_when_the_active_drain_dies(
 
     first.kill(signal.SIGKILL)
     killed_at = time.monotonic()
-    after = _stage_backlog(db_url, queue, 200)
+    after = support.stage_backlog(db_url, queue, 200)
     second.wait_for_output("active: took the drain lock", timeout=30)
     took_over = time.monotonic() - killed_at
     support.wait_for(lambda: support.staged_count(db_url) == 0, 30, "the second drain to publish")
     messages = support.drain_queue(queue)
-    _check_at_least_once(messages, after)
+    support.check_at_least_once(messages, after)
     assert {p.headers["origin"].split("@")[0] for _, p, _ in messages} == {f"gen{second.pid}"}
     print(f"standby took over {took_over:.2f}s after kill -9")

@@ -21,7 +21,7 @@ import statistics
 import sys
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -82,33 +82,6 @@ def _no_secrets_in_drain_logs(processes: list[support.Process]) -> Iterator[None
 
 
 # -- staging and checking ------------------------------------------------------------
-
-
-def _stage_backlog(db_url: str, queue: str, n: int) -> dict[str, int]:
-    """Stage ``n`` jobs in one transaction (COPY); {task id: i}, args [i], kwargs {"i": i}."""
-    with psycopg.connect(db_url) as conn:
-        ids = drain.stage_many(
-            conn, (drain.Job("celery_app.record", [i], {"i": i}, queue=queue) for i in range(n))
-        )
-    return {str(task_id): i for i, task_id in enumerate(ids)}
-
-
-def _check_at_least_once(messages: Messages, staged: dict[str, int]) -> Counter[str]:
-    """Every staged job arrived, nothing else did, and all copies of a job are identical."""
-    copies: Counter[str] = Counter()
-    bodies: dict[str, set[bytes]] = defaultdict(set)
-    for _, props, body in messages:
-        task_id = str(props.headers["id"])
-        assert task_id in staged, f"published a job that was never committed: {task_id}"
-        assert props.correlation_id == task_id
-        args, kwargs, _embed = json.loads(body)
-        assert args == [staged[task_id]] and kwargs == {"i": staged[task_id]}
-        copies[task_id] += 1
-        bodies[task_id].add(body)
-    missing = set(staged) - set(copies)
-    assert not missing, f"{len(missing)} committed job(s) never reached the queue"
-    assert all(len(b) == 1 for b in bodies.values()), "copies of one job differ"
-    return copies
 
 
 def _staged_ids(db_url: str) -> set[str]:
@@ -218,10 +191,10 @@ def test_broker_down_for_a_long_while_app_keeps_staging(
     proxy = support.TcpProxy(5672).start()
     try:
         proc = _run_drain(spawn, db_url, broker_port=proxy.port)
-        before = _stage_backlog(db_url, queue, 10)
+        before = support.stage_backlog(db_url, queue, 10)
         support.wait_for(lambda: support.staged_count(db_url) == 0, 30,
                          "the drain to publish the first jobs")
-        _check_at_least_once(support.drain_queue(queue, timeout=0.5), before)
+        support.check_at_least_once(support.drain_queue(queue, timeout=0.5), before)
 
         producer = Producer(db_url, queue, rate=100)
         producer.start()
@@ -245,7 +218,7 @@ def test_broker_down_for_a_long_while_app_keeps_staging(
         out = proc.output()[mark:]  # before stop(), which cuts once more
     finally:
         proxy.stop()
-    copies = _check_at_least_once(support.drain_queue(queue), staged)
+    copies = support.check_at_least_once(support.drain_queue(queue), staged)
     assert not producer.rolled_back
     assert out.count("broker connected") + out.count("broker back") >= 1
     assert out.count("unreachable") <= 1, "one line for the outage, not one per retry"
@@ -263,7 +236,7 @@ def test_broker_down_for_a_long_while_app_keeps_staging(
 def test_broker_connection_cut_mid_batch_repeatedly(
     db_url: str, queue: str, spawn: Any
 ) -> None:
-    staged = _stage_backlog(db_url, queue, 20_000)
+    staged = support.stage_backlog(db_url, queue, 20_000)
     proxy = support.TcpProxy(5672).start()
     rng = random.Random()
     cuts = 0
@@ -279,7 +252,7 @@ def test_broker_connection_cut_mid_batch_repeatedly(
         connections = proxy.accepted
     finally:
         proxy.stop()
-    copies = _check_at_least_once(support.drain_queue(queue), staged)
+    copies = support.check_at_least_once(support.drain_queue(queue), staged)
     out = proc.output()
     mid_batch = out.count("lost mid-batch") + out.count("connection lost before the batch")
     print(f"\n[broker cuts] {cuts} cuts, {connections} broker connections, {mid_batch} batches "
@@ -294,7 +267,7 @@ def test_broker_connection_cut_mid_batch_repeatedly(
 def test_broker_stall_is_noticed_and_the_batch_abandoned(
     db_url: str, queue: str, spawn: Any
 ) -> None:
-    staged = _stage_backlog(db_url, queue, 20_000)
+    staged = support.stage_backlog(db_url, queue, 20_000)
     proxy = support.TcpProxy(5672).start()
     try:
         proc = _run_drain(spawn, db_url, "--batch-size", "500", "--confirm-timeout", "3",
@@ -322,7 +295,7 @@ def test_broker_stall_is_noticed_and_the_batch_abandoned(
         connections = proxy.accepted
     finally:
         proxy.stop()
-    copies = _check_at_least_once(early + support.drain_queue(queue), staged)
+    copies = support.check_at_least_once(early + support.drain_queue(queue), staged)
     assert connections >= 2, "the drain never reconnected"
     print(f"\n[broker stall] noticed {noticed:.2f}s after the stall (confirm timeout 3s); "
           f"delivered the rest {recovered:.1f}s after the broker answered again "
@@ -342,7 +315,7 @@ def test_broker_nacks_leave_rows_staged_until_there_is_room(
                          arguments={"x-max-length": 5, "x-overflow": "reject-publish"})
     proc = _run_drain(spawn, db_url, "--queue-declare", "passive")
     proc.wait_for_output("broker connected", timeout=30)
-    staged = _stage_backlog(db_url, queue, 12)
+    staged = support.stage_backlog(db_url, queue, 12)
     support.wait_for(lambda: support.staged_count(db_url) == 7 and "nacked" in proc.output(),
                      30, "5 jobs delivered, 7 nacked and still staged")
     assert support.queue_depth(queue) == 5
@@ -358,7 +331,7 @@ def test_broker_nacks_leave_rows_staged_until_there_is_room(
     nacks = proc.output().count("broker nacked")
     support.wait_for(lambda: support.staged_count(db_url) == 0, 30, "staged_jobs to empty")
     delivered += support.drain_queue(queue, timeout=0.3)
-    copies = _check_at_least_once(delivered, staged)
+    copies = support.check_at_least_once(delivered, staged)
     assert sorted(copies.values()) == [1] * 12, "a nacked message must not have been enqueued"
     assert "broker back" not in proc.output() and proc.output().count("broker connected") == 1
     print(f"\n[nacks] 12 jobs delivered through a queue of length 5 in {rounds} consumer "
@@ -371,7 +344,7 @@ def test_broker_nacks_leave_rows_staged_until_there_is_room(
 def test_postgres_connection_cut_mid_batch_repeatedly(
     db_url: str, queue: str, spawn: Any
 ) -> None:
-    staged = _stage_backlog(db_url, queue, 20_000)
+    staged = support.stage_backlog(db_url, queue, 20_000)
     proxy = support.TcpProxy(5432).start()
     rng = random.Random()
     cuts = 0
@@ -390,7 +363,7 @@ def test_postgres_connection_cut_mid_batch_repeatedly(
         out = proc.output()  # before stop(), which cuts once more
     finally:
         proxy.stop()
-    copies = _check_at_least_once(support.drain_queue(queue), staged)
+    copies = support.check_at_least_once(support.drain_queue(queue), staged)
     lost = out.count("lock released, batch rolled back")
     took = out.count("active: took the drain lock")
     print(f"\n[postgres cuts] {cuts} cuts: lost the lock {lost} times, took it {took} times; "
@@ -406,7 +379,7 @@ def test_postgres_connection_cut_mid_batch_repeatedly(
 def test_postgres_restart_drain_reconnects_and_resumes(
     db_url: str, queue: str, spawn: Any
 ) -> None:
-    staged = _stage_backlog(db_url, queue, 20_000)
+    staged = support.stage_backlog(db_url, queue, 20_000)
     proxy = support.TcpProxy(5432).start()
     try:
         proc = _run_drain(spawn, db_url, "--batch-size", "500", db_port=proxy.port)
@@ -429,7 +402,7 @@ def test_postgres_restart_drain_reconnects_and_resumes(
         out = proc.output()[mark:]  # before stop(), which cuts once more
     finally:
         proxy.stop()
-    copies = _check_at_least_once(support.drain_queue(queue), staged)
+    copies = support.check_at_least_once(support.drain_queue(queue), staged)
     assert "lock released, batch rolled back" in out
     assert "active: took the drain lock" in out
     assert out.count("unreachable") == 1, "one line for the outage, not one per retry"
@@ -451,7 +424,7 @@ def test_split_brain_the_cut_off_drain_cannot_delete_and_the_standby_finishes(
         a.wait_for_output("broker connected", timeout=30)
         b = _run_drain(spawn, db_url, "--batch-size", "500", name="b")
         b.wait_for_output("standby: another drain holds the lock", timeout=30)
-        staged = _stage_backlog(db_url, queue, 20_000)
+        staged = support.stage_backlog(db_url, queue, 20_000)
         support.wait_for(lambda: support.staged_count(db_url) < len(staged), 60,
                          "drain A to make progress")
         proxy.refuse()  # A is cut off from Postgres, and stays cut off
@@ -473,7 +446,7 @@ def test_split_brain_the_cut_off_drain_cannot_delete_and_the_standby_finishes(
     finally:
         proxy.stop()
     messages = support.drain_queue(queue)
-    copies = _check_at_least_once(messages, staged)
+    copies = support.check_at_least_once(messages, staged)
     origins = Counter(p.headers["origin"].split("@")[0] for _, p, _ in messages)
     assert set(origins) == {f"gen{a.pid}", f"gen{b.pid}"}
     print(f"\n[split brain] B took the lock {took_over:.2f}s after A was cut off; messages by "
@@ -519,7 +492,7 @@ def test_kill_9_at_random_moments_under_steady_staging(
     delivered = set(support.task_ids(messages))
     leaked = delivered & producer.rolled_back
     assert not leaked, f"{len(leaked)} rolled-back job(s) were published"
-    copies = _check_at_least_once(messages, producer.committed)
+    copies = support.check_at_least_once(messages, producer.committed)
     print(f"\n[kill -9] {kills} kills ({active_kills} of the lock holder) in {elapsed:.1f}s; "
           f"{len(producer.committed)} jobs committed, {len(producer.rolled_back)} rolled back "
           f"({len(producer.committed) / elapsed:.0f} committed jobs/s); "
@@ -531,7 +504,7 @@ def test_kill_9_at_random_moments_under_steady_staging(
 
 
 def test_sigterm_during_a_large_backlog(db_url: str, queue: str, spawn: Any) -> None:
-    staged = _stage_backlog(db_url, queue, 30_000)
+    staged = support.stage_backlog(db_url, queue, 30_000)
     proc = _run_drain(spawn, db_url, "--batch-size", "1000")
     support.wait_for(lambda: support.staged_count(db_url) < len(staged), 60,
                      "the drain to make progress")
@@ -547,7 +520,7 @@ def test_sigterm_during_a_large_backlog(db_url: str, queue: str, spawn: Any) -> 
     assert remaining, "the whole backlog drained before SIGTERM; stage more"
     messages = support.drain_queue(queue)
     published = set(support.task_ids(messages))
-    _check_at_least_once(messages, {t: i for t, i in staged.items() if t in published})
+    support.check_at_least_once(messages, {t: i for t, i in staged.items() if t in published})
     # Nothing half-done: rows that are gone were published; every job is in one place.
     assert set(staged) - remaining <= published
     assert set(staged) == remaining | published
@@ -591,7 +564,7 @@ def test_long_snapshot_elsewhere_drain_transactions_stay_short(
 
     sampler = threading.Thread(target=sample, daemon=True)
     try:
-        staged = _stage_backlog(db_url, queue, 20_000)
+        staged = support.stage_backlog(db_url, queue, 20_000)
         sampler.start()
         _run_drain(spawn, db_url, "--batch-size", "500")
         support.wait_for(lambda: support.staged_count(db_url) == 0, 120,
@@ -602,7 +575,7 @@ def test_long_snapshot_elsewhere_drain_transactions_stay_short(
         done.set()
         holder.close()
     assert not errors, errors
-    copies = _check_at_least_once(support.drain_queue(queue), staged)
+    copies = support.check_at_least_once(support.drain_queue(queue), staged)
     drain_ages = [d for d, _ in samples if d is not None]
     other_ages = [o for _, o in samples if o is not None]
     assert len(drain_ages) >= 5, "too few samples of the drain's transactions"
@@ -730,7 +703,7 @@ def test_passwords_never_reach_the_logs_even_verbose(
                              timeout=60)
         amqp.start()
         proc.wait_for_output("broker connected", timeout=60)
-        staged = _stage_backlog(db_url, queue, 3_000)
+        staged = support.stage_backlog(db_url, queue, 3_000)
         support.wait_for(lambda: support.staged_count(db_url) < len(staged), 60, "progress")
         amqp.cut()
         pg.cut()
@@ -742,7 +715,7 @@ def test_passwords_never_reach_the_logs_even_verbose(
     finally:
         pg.stop()
         amqp.stop()
-    _check_at_least_once(support.drain_queue(queue), staged)
+    support.check_at_least_once(support.drain_queue(queue), staged)
     out = proc.output()
     assert DB_SECRET not in out and "guest:guest" not in out
     assert f"postgresql://postgres:***@127.0.0.1:{pg.port}/" in out
@@ -760,7 +733,7 @@ def test_postgres_losses_do_not_leak_in_flight_batches(db_url: str, queue: str) 
     from drain.config import Settings
     from drain.runner import Drain
 
-    staged = _stage_backlog(db_url, queue, 20_000)
+    staged = support.stage_backlog(db_url, queue, 20_000)
     proxy = support.TcpProxy(5432).start()
     settings = Settings(database_url=_secret_db_url(db_url, proxy.port),
                         broker_url=support.BROKER_URL, batch_size=500, poll_interval=0.2,
@@ -785,7 +758,7 @@ def test_postgres_losses_do_not_leak_in_flight_batches(db_url: str, queue: str) 
         running.stop()
         thread.join(30)
         proxy.stop()
-    _check_at_least_once(support.drain_queue(queue), staged)
+    support.check_at_least_once(support.drain_queue(queue), staged)
     print(f"\n[leak] after {cuts} Postgres cuts the publisher still holds {len(held)} "
           f"batch(es), {sum(len(b.messages) for b in held)} messages")
     assert cuts >= 3

@@ -8,7 +8,6 @@ session, and waking on NOTIFY rather than the poll interval.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,39 +15,8 @@ import psycopg
 import pytest
 
 import drain
-from drain.config import Settings
-from drain.runner import Drain, State
+from drain.runner import State
 from tests import support
-
-
-class Running:
-    """A Drain running in a background thread, stopped at the end of the test."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.drain = Drain(settings)
-        self.thread = threading.Thread(target=self.drain.run, daemon=True)
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.drain.stop()
-        self.thread.join(30)
-        assert not self.thread.is_alive(), "the drain did not stop"
-
-
-@pytest.fixture
-def start_drain() -> Iterator[Any]:
-    running: list[Running] = []
-
-    def _start(db_url: str, **overrides: Any) -> Running:
-        settings = Settings(database_url=db_url, broker_url=support.BROKER_URL,
-                            **{"poll_interval": 0.2, "max_backoff": 0.5, **overrides})
-        r = Running(settings)
-        running.append(r)
-        return r
-
-    yield _start
-    for r in running:
-        r.stop()
 
 
 def _stage(db_url: str, queue: str, n: int = 1) -> list[str]:

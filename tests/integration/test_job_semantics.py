@@ -12,7 +12,6 @@ import datetime as dt
 import json
 import random
 import re
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,45 +24,12 @@ from celery import Celery
 
 import drain
 from drain import message, sql
-from drain.config import Settings
-from drain.runner import Drain, State
 from drain.store import Store
 from tests import support
 
 UTC = dt.timezone.utc
 
 # -- helpers ------------------------------------------------------------------------
-
-
-class Running:
-    """A Drain running in a background thread, stopped at the end of the test."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.drain = Drain(settings)
-        self.thread = threading.Thread(target=self.drain.run, daemon=True)
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.drain.stop()
-        self.thread.join(30)
-        assert not self.thread.is_alive(), "the drain did not stop"
-
-
-@pytest.fixture
-def start_drain() -> Iterator[Any]:
-    running: list[Running] = []
-
-    def _start(db_url: str, **overrides: Any) -> Running:
-        settings = Settings(database_url=db_url, broker_url=support.BROKER_URL,
-                            **{"poll_interval": 0.2, "max_backoff": 0.5, **overrides})
-        r = Running(settings)
-        running.append(r)
-        support.wait_for(lambda: r.drain.state is State.ACTIVE, 30, "the drain to lead")
-        return r
-
-    yield _start
-    for r in running:
-        r.stop()
 
 
 @pytest.fixture
@@ -134,9 +100,9 @@ def _observe_nothing_published(
 
 
 def test_countdown_waits_in_postgres_until_due_and_does_not_hold_back_ready_rows(
-    db_url: str, queue: str, start_drain: Any
+    db_url: str, queue: str, start_active_drain: Any
 ) -> None:
-    start_drain(db_url, poll_interval=0.2)
+    start_active_drain(db_url, poll_interval=0.2)
     with psycopg.connect(db_url) as conn:
         delayed = drain.stage(conn, "t.delayed", ["later"], queue=queue, countdown=1.5)
         # Staged after the delayed row (a higher id): must not wait behind it.
@@ -158,9 +124,9 @@ def test_countdown_waits_in_postgres_until_due_and_does_not_hold_back_ready_rows
 
 
 def test_eta_aware_naive_utc_and_sql_not_before(
-    db_url: str, queue: str, start_drain: Any
+    db_url: str, queue: str, start_active_drain: Any
 ) -> None:
-    start_drain(db_url, poll_interval=0.2)
+    start_active_drain(db_url, poll_interval=0.2)
     plus_five = dt.timezone(dt.timedelta(hours=5))
     aware_eta = dt.datetime.now(plus_five) + dt.timedelta(seconds=1.5)
     naive_eta = dt.datetime.now(UTC).replace(tzinfo=None) + dt.timedelta(seconds=1.5)
@@ -305,12 +271,12 @@ def test_expire_never_scans_rows_that_have_not_expired(db_url: str, plan_cache_m
 
 
 def test_a_high_priority_job_jumps_a_backlog_being_drained(
-    db_url: str, queue: str, start_drain: Any
+    db_url: str, queue: str, start_active_drain: Any
 ) -> None:
     total = 6000
     with psycopg.connect(db_url) as conn:
         drain.stage_many(conn, [drain.Job("t.backlog", [i], queue=queue) for i in range(total)])
-    start_drain(db_url, batch_size=100)
+    start_active_drain(db_url, batch_size=100)
     support.wait_for(lambda: support.staged_count(db_url) < total, 30,
                      "the drain to start publishing", interval=0.005)
     published_before = total - support.staged_count(db_url)
@@ -333,7 +299,7 @@ def test_a_high_priority_job_jumps_a_backlog_being_drained(
 
 
 def test_a_static_backlog_is_published_highest_priority_first(
-    db_url: str, queue: str, start_drain: Any
+    db_url: str, queue: str, start_active_drain: Any
 ) -> None:
     rng = random.Random(7)
     priorities = [rng.choice([-10, -1, 0, 0, 0, 3, 5, 32767, -32768]) for _ in range(60)]
@@ -342,7 +308,7 @@ def test_a_static_backlog_is_published_highest_priority_first(
             conn, [drain.Job("t.p", [i], queue=queue, priority=p)
                    for i, p in enumerate(priorities)]
         )
-    start_drain(db_url, batch_size=7)
+    start_active_drain(db_url, batch_size=7)
     support.wait_for(lambda: support.staged_count(db_url) == 0, 30, "the backlog to drain")
     messages = _consume(queue)
     expected = [str(ids[i]) for i in sorted(range(60), key=lambda i: (-priorities[i], i))]
@@ -365,14 +331,14 @@ def _declare_fails_with(queue: str, arguments: dict[str, Any] | None) -> int | N
 
 
 def test_queue_max_priority_declares_x_max_priority_and_clamps_message_priority(
-    db_url: str, queue: str, start_drain: Any
+    db_url: str, queue: str, start_active_drain: Any
 ) -> None:
     with psycopg.connect(db_url) as conn:
         staged = {
             p: drain.stage(conn, "t.prio", [p], queue=queue, priority=p)
             for p in (-5, 0, 3, 10, 50)
         }
-    start_drain(db_url, queue_max_priority=10)
+    start_active_drain(db_url, queue_max_priority=10)
     support.wait_for(lambda: support.staged_count(db_url) == 0, 30, "the jobs to drain")
     messages = _consume(queue)
     by_id = _by_id(messages)
@@ -404,14 +370,14 @@ def _celery_declare(app: Celery, queue: str) -> None:
 
 
 def test_drain_and_celery_declare_priority_queues_alike(
-    db_url: str, queue: str, other_queue: str, start_drain: Any, celery_app: Celery
+    db_url: str, queue: str, other_queue: str, start_active_drain: Any, celery_app: Celery
 ) -> None:
     try:
         # Celery first, then the drain: the drain's declare must be accepted.
         _celery_declare(celery_app, queue)
         with psycopg.connect(db_url) as conn:
             first = drain.stage(conn, "t.celery_first", queue=queue, priority=4)
-        running = start_drain(db_url, queue_max_priority=10)
+        running = start_active_drain(db_url, queue_max_priority=10)
         support.wait_for(lambda: support.staged_count(db_url) == 0, 30, "the job to drain")
         assert not running.drain._paused, "the drain's declare was refused"
         messages = _consume(queue)
@@ -433,7 +399,7 @@ def test_drain_and_celery_declare_priority_queues_alike(
 
 
 def test_expired_rows_go_to_dead_jobs_and_live_ones_carry_their_expiry(
-    db_url: str, queue: str, start_drain: Any
+    db_url: str, queue: str, start_active_drain: Any
 ) -> None:
     with psycopg.connect(db_url) as conn:
         expired = drain.stage(conn, "t.expired", [1], {"k": "v"}, queue=queue, expires=0.5,
@@ -455,7 +421,7 @@ def test_expired_rows_go_to_dead_jobs_and_live_ones_carry_their_expiry(
 
     support.wait_for(both_expired, 10, "the short expiries to pass")
     started = time.time()
-    start_drain(db_url)
+    start_active_drain(db_url)
     support.wait_for(lambda: support.staged_count(db_url) == 0 and len(_dead(db_url)) == 2, 30,
                      "both expired rows in dead_jobs")
     dead = {d["task_id"]: d for d in _dead(db_url)}
@@ -480,7 +446,7 @@ def test_expired_rows_go_to_dead_jobs_and_live_ones_carry_their_expiry(
 
 
 def test_more_expired_rows_than_a_batch_are_all_dead_lettered(
-    db_url: str, queue: str, start_drain: Any
+    db_url: str, queue: str, start_active_drain: Any
 ) -> None:
     with psycopg.connect(db_url) as conn:
         conn.execute(
@@ -490,7 +456,7 @@ def test_more_expired_rows_than_a_batch_are_all_dead_lettered(
             (queue,),
         )
         sentinel = drain.stage(conn, "t.sentinel", queue=queue)
-    running = start_drain(db_url, batch_size=10)
+    running = start_active_drain(db_url, batch_size=10)
     support.wait_for(lambda: support.staged_count(db_url) == 0, 30, "the backlog to settle")
     # (RabbitMQ drops a message published with expiration "0" when no consumer is
     # waiting, so the queue alone would not show an expired job that went out.)
@@ -501,7 +467,7 @@ def test_more_expired_rows_than_a_batch_are_all_dead_lettered(
 
 
 def test_a_mass_expiry_is_moved_before_any_fetch_has_to_skip_it(
-    db_url: str, queue: str, start_drain: Any, monkeypatch: pytest.MonkeyPatch
+    db_url: str, queue: str, start_active_drain: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with psycopg.connect(db_url) as conn:
         conn.execute(
@@ -530,7 +496,7 @@ def test_a_mass_expiry_is_moved_before_any_fetch_has_to_skip_it(
     # No NOTIFY comes (everything was staged before the drain listened) and the
     # poll interval is far off: the drain must go from one cycle to the next at
     # once while it is moving full batches of expired rows.
-    start_drain(db_url, batch_size=100, poll_interval=300.0)
+    start_active_drain(db_url, batch_size=100, poll_interval=300.0)
     support.wait_for(lambda: support.staged_count(db_url) == 0, 60, "the backlog to settle")
     assert sorted(support.task_ids(_consume(queue))) == sorted(map(str, live))
     assert len(_dead(db_url)) == 1000
@@ -538,9 +504,9 @@ def test_a_mass_expiry_is_moved_before_any_fetch_has_to_skip_it(
 
 
 def test_the_broker_drops_a_published_message_once_it_expires(
-    db_url: str, queue: str, start_drain: Any
+    db_url: str, queue: str, start_active_drain: Any
 ) -> None:
-    start_drain(db_url)
+    start_active_drain(db_url)
     with psycopg.connect(db_url) as conn:
         drain.stage(conn, "t.short_lived", queue=queue, expires=1.5)
     support.wait_for(lambda: support.staged_count(db_url) == 0, 10, "the job to be published")
@@ -561,7 +527,7 @@ def _body_size(args: list[Any]) -> int:
 
 
 def test_a_message_over_max_message_size_is_dead_lettered_and_its_batch_published(
-    db_url: str, queue: str, start_drain: Any, caplog: pytest.LogCaptureFixture
+    db_url: str, queue: str, start_active_drain: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     limit = 2000
     fits = limit - _body_size([""])  # the string that makes a body of exactly the limit
@@ -574,7 +540,7 @@ def test_a_message_over_max_message_size_is_dead_lettered_and_its_batch_publishe
         huge = drain.stage(conn, "t.big", ["y" * 5000], queue=queue, tag="tests.big")
         after = drain.stage_many(conn, [drain.Job("t.small", [i], queue=queue)
                                         for i in range(3)])
-    start_drain(db_url, max_message_size=limit)
+    start_active_drain(db_url, max_message_size=limit)
     support.wait_for(lambda: support.staged_count(db_url) == 0, 30, "the batch to settle")
     published = support.task_ids(_consume(queue))
     assert published == [str(t) for t in [*before, exact, *after]]
@@ -592,7 +558,9 @@ def test_a_message_over_max_message_size_is_dead_lettered_and_its_batch_publishe
 # -- 8. tags -------------------------------------------------------------------------
 
 
-def test_tags_travel_in_the_drain_tag_header(db_url: str, queue: str, start_drain: Any) -> None:
+def test_tags_travel_in_the_drain_tag_header(
+    db_url: str, queue: str, start_active_drain: Any
+) -> None:
     with psycopg.connect(db_url) as conn:
         tagged = drain.stage(conn, "t.tagged", queue=queue, tag="api.create_annotation")
         untagged = drain.stage(conn, "t.untagged", queue=queue)
@@ -601,7 +569,7 @@ def test_tags_travel_in_the_drain_tag_header(db_url: str, queue: str, start_drai
             drain.Job("t.many", [1], queue=queue, tag=unicode_tag),
             {"task_name": "t.many", "args": [2], "queue": queue},
         ])
-    start_drain(db_url)
+    start_active_drain(db_url)
     support.wait_for(lambda: support.staged_count(db_url) == 0, 30, "the jobs to drain")
     by_id = _by_id(_consume(queue))
     assert by_id[str(tagged)][1].headers["drain_tag"] == "api.create_annotation"
@@ -614,7 +582,7 @@ def test_tags_travel_in_the_drain_tag_header(db_url: str, queue: str, start_drai
 
 
 def test_bulk_staging_from_sql_publishes_every_row_with_one_notify_per_statement(
-    db_url: str, queue: str, start_drain: Any
+    db_url: str, queue: str, start_active_drain: Any
 ) -> None:
     with psycopg.connect(db_url, autocommit=True) as listener, \
             psycopg.connect(db_url) as conn:
@@ -642,7 +610,7 @@ def test_bulk_staging_from_sql_publishes_every_row_with_one_notify_per_statement
     assert len(notifies) == 2, [n.channel for n in notifies]
     assert len(by_function) == 500 and len(by_insert) == 500
 
-    start_drain(db_url)
+    start_active_drain(db_url)
     support.wait_for(lambda: support.staged_count(db_url) == 0, 30, "the rows to drain")
     messages = _consume(queue)
     assert len(messages) == 1000

@@ -1,0 +1,56 @@
+"""Fixtures for running a Drain in-process against the real services."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from drain.config import Settings
+from drain.runner import Drain, State
+from tests import support
+
+
+class Running:
+    """A Drain running in a background thread, stopped at the end of the test."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.drain = Drain(settings)
+        self.thread = threading.Thread(target=self.drain.run, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.drain.stop()
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the drain did not stop"
+
+
+@pytest.fixture
+def start_drain() -> Iterator[Callable[..., Running]]:
+    """Start a drain on a database with Settings overrides (short polls and backoff)."""
+    running: list[Running] = []
+
+    def _start(db_url: str, **overrides: Any) -> Running:
+        settings = Settings(database_url=db_url, broker_url=support.BROKER_URL,
+                            **{"poll_interval": 0.2, "max_backoff": 0.5, **overrides})
+        r = Running(settings)
+        running.append(r)
+        return r
+
+    yield _start
+    for r in running:
+        r.stop()
+
+
+@pytest.fixture
+def start_active_drain(start_drain: Callable[..., Running]) -> Callable[..., Running]:
+    """Like start_drain, and wait until the drain holds the lock."""
+
+    def _start(db_url: str, **overrides: Any) -> Running:
+        r = start_drain(db_url, **overrides)
+        support.wait_for(lambda: r.drain.state is State.ACTIVE, 30, "the drain to lead")
+        return r
+
+    return _start
