@@ -458,31 +458,31 @@ class Publisher:
             raise BrokerUnavailable(f"broker at {self._display_url}: {failure}")
 
 
+def _innermost(exc: BaseException) -> BaseException:
+    """The error pika's connection workflow wrapped: the last attempt's cause."""
+    nested = getattr(exc, "exceptions", None)  # AMQPConnectionWorkflowFailed
+    if nested:
+        return _innermost(nested[-1])
+    inner = getattr(exc, "exception", None)  # AMQPConnector*Error
+    if isinstance(inner, BaseException):
+        return _innermost(inner)
+    return exc
+
+
 def _is_refusal(exc: BaseException) -> bool:
     """A login or vhost refusal, as opposed to a network problem."""
-    nested = getattr(exc, "exceptions", None)
-    if nested:
-        return _is_refusal(nested[-1])
-    inner = getattr(exc, "exception", None)
-    if isinstance(inner, BaseException):
-        return _is_refusal(inner)
     return isinstance(
-        exc,
+        _innermost(exc),
         (pika.exceptions.ProbableAuthenticationError, pika.exceptions.ProbableAccessDeniedError),
     )
 
 
 def _describe(exc: BaseException) -> str:
     """A short description of a pika error (callers scrub secrets from it)."""
-    nested = getattr(exc, "exceptions", None)  # AMQPConnectionWorkflowFailed
-    if nested:
-        return _describe(nested[-1])
-    inner = getattr(exc, "exception", None)  # AMQPConnector*Error
-    if isinstance(inner, BaseException):
-        return _describe(inner)
-    if isinstance(exc, pika.exceptions.ChannelClosedByBroker):
-        return f"{exc.reply_code} {exc.reply_text}"
-    if isinstance(exc, pika.exceptions.ConnectionClosedByBroker):
+    exc = _innermost(exc)
+    if isinstance(
+        exc, (pika.exceptions.ChannelClosedByBroker, pika.exceptions.ConnectionClosedByBroker)
+    ):
         return f"{exc.reply_code} {exc.reply_text}"
     if isinstance(exc, pika.exceptions.ProbableAuthenticationError):
         return "login refused (check the user name and password)"
