@@ -22,7 +22,9 @@ backoff, and followed by one "... back" line when a cycle succeeds again.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import enum
 import logging
 import os
@@ -64,6 +66,18 @@ class State(enum.Enum):
     STOPPING = "stopping"
 
 
+@dataclasses.dataclass
+class Trouble:
+    """What is going wrong with one target ("database" or "broker")."""
+
+    #: The last error logged (an identical one is not logged again).
+    error: str | None = None
+    #: Whether it came from a cycle, rather than from connecting.
+    in_cycle: bool = False
+    #: Consecutive failures.
+    failures: int = 0
+
+
 class Drain:
     """One drain process. :meth:`run` returns when asked to stop."""
 
@@ -98,11 +112,7 @@ class Drain:
         self._connected_once: set[str] = set()
         #: queue -> (paused until (monotonic), times paused, last reason logged)
         self._paused: dict[str, tuple[float, int, str]] = {}
-        # Per target ("database", "broker"): the last error logged, whether it came
-        # from a cycle (rather than from connecting), and consecutive failures.
-        self._errors: dict[str, str | None] = {"database": None, "broker": None}
-        self._cycle_error: dict[str, bool] = {"database": False, "broker": False}
-        self._failures: dict[str, int] = {"database": 0, "broker": 0}
+        self._trouble = {"database": Trouble(), "broker": Trouble()}
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -156,7 +166,7 @@ class Drain:
             self._store.connect()
 
         connected = self._retry(attempt, DatabaseUnavailable, "database")
-        if connected and not self._cycle_error["database"]:
+        if connected and not self._trouble["database"].in_cycle:
             log.info("database connected")
 
     def _try_lead(self) -> None:
@@ -176,7 +186,7 @@ class Drain:
 
     def _connect_broker(self) -> None:
         if self._retry(self._publisher.connect, BrokerUnavailable, "broker"):
-            if not self._cycle_error["broker"]:
+            if not self._trouble["broker"].in_cycle:
                 log.info("broker connected")
             self.state = State.ACTIVE
 
@@ -249,9 +259,8 @@ class Drain:
                 self._store.bury(doomed)
         # Committed: the confirmed rows are gone, everything else stays staged.
         self._inflight = current
-        for reason in sorted({reason for _, reason, _ in doomed}):
-            log.warning("moved %d job(s) to dead_jobs (reason %r)",
-                        sum(1 for _, r, _ in doomed if r == reason), reason)
+        for reason, count in sorted(collections.Counter(r for _, r, _ in doomed).items()):
+            log.warning("moved %d job(s) to dead_jobs (reason %r)", count, reason)
         for result in results:
             self._account(result)
         error = start_error or next((r.error for r in results if r.error), None)
@@ -371,22 +380,22 @@ class Drain:
 
     def _failed(self, what: str, text: str, *, in_cycle: bool) -> None:
         """Log a failure unless it repeats the last one; back off when it keeps failing."""
-        self._failures[what] += 1
-        self._cycle_error[what] = in_cycle
-        if text != self._errors[what]:
-            self._errors[what] = text
+        trouble = self._trouble[what]
+        trouble.failures += 1
+        trouble.in_cycle = in_cycle
+        if text != trouble.error:
+            trouble.error = text
             log.warning("%s", text)
-        if in_cycle and self._failures[what] > 1:
+        if in_cycle and trouble.failures > 1:
             # Connecting works but the work itself keeps failing: do not spin.
-            delay = min(0.1 * 2 ** (self._failures[what] - 1), self.settings.max_backoff)
+            delay = min(0.1 * 2 ** (trouble.failures - 1), self.settings.max_backoff)
             self._sleep(delay)
 
     def _recovered(self, what: str) -> None:
-        if self._errors[what] is not None and self._cycle_error[what]:
-            log.info("%s back: working again after %d failure(s)", what, self._failures[what])
-        self._errors[what] = None
-        self._cycle_error[what] = False
-        self._failures[what] = 0
+        trouble = self._trouble[what]
+        if trouble.error is not None and trouble.in_cycle:
+            log.info("%s back: working again after %d failure(s)", what, trouble.failures)
+        self._trouble[what] = Trouble()
 
     def _retry(self, attempt: Callable[[], None], errors: type[Exception], what: str) -> bool:
         """Call ``attempt`` until it succeeds or the drain stops; True on success.
