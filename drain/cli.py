@@ -311,24 +311,27 @@ def cmd_dead_list(args: argparse.Namespace) -> int:
     return Exit.OK
 
 
-def cmd_dead_requeue(args: argparse.Namespace) -> int:
+def _act_on_dead(
+    args: argparse.Namespace, what: str, act: Callable[[Any, dead.Filters], int], done: str
+) -> int:
+    """Count the matching dead jobs, confirm, act, and say how many were affected."""
     filters = _filters(args)
     with store.connect_plain(_settings(args)) as conn:
-        if not _confirm("requeue", dead.count(conn, filters), filters, args.yes):
+        if not _confirm(what, dead.count(conn, filters), filters, args.yes):
             return Exit.OK
-        moved = dead.requeue(conn, filters, args.expires_in)
-    print(f"requeued {moved} job(s)")
+        print(done.format(act(conn, filters)))
     return Exit.OK
+
+
+def cmd_dead_requeue(args: argparse.Namespace) -> int:
+    return _act_on_dead(
+        args, "requeue", lambda conn, f: dead.requeue(conn, f, args.expires_in),
+        "requeued {} job(s)",
+    )
 
 
 def cmd_dead_purge(args: argparse.Namespace) -> int:
-    filters = _filters(args)
-    with store.connect_plain(_settings(args)) as conn:
-        if not _confirm("purge", dead.count(conn, filters), filters, args.yes):
-            return Exit.OK
-        gone = dead.purge(conn, filters)
-    print(f"purged {gone} dead job(s)")
-    return Exit.OK
+    return _act_on_dead(args, "purge", dead.purge, "purged {} dead job(s)")
 
 
 def cmd_processed_purge(args: argparse.Namespace) -> int:
