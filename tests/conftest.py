@@ -83,3 +83,18 @@ def spawn(processes: list[support.Process], tmp_path: Path):  # type: ignore[no-
         return proc
 
     return _spawn
+
+
+@pytest.fixture
+def start_pipeline(spawn):  # type: ignore[no-untyped-def]
+    """Start a celery worker on ``queue`` and a ``drain run`` on ``db_url``; wait for both."""
+
+    def _start(db_url: str, queue: str) -> tuple[support.Process, support.Process]:
+        env = support.drain_env(db_url)
+        worker = spawn(support.celery_argv(queue), env, "worker")
+        runner = spawn(support.drain_argv("run", "--poll-interval", "0.5"), env, "drain")
+        worker.wait_for_output("ready.", timeout=60)
+        runner.wait_for_output("broker connected", timeout=30)
+        return runner, worker
+
+    return _start

@@ -22,14 +22,6 @@ import drain
 from tests import support
 
 
-def _start(spawn: Any, db_url: str, queue: str) -> None:
-    env = support.drain_env(db_url)
-    worker = spawn(support.celery_argv(queue), env, "worker")
-    runner = spawn(support.drain_argv("run", "--poll-interval", "0.5"), env, "drain")
-    worker.wait_for_output("ready.", timeout=60)
-    runner.wait_for_output("broker connected", timeout=30)
-
-
 def runs(db_url: str, task_id: uuid.UUID) -> list[bool]:
     """``skipped`` of each executed_jobs row of ``task_id``, in execution order."""
     with psycopg.connect(db_url) as conn:
@@ -52,7 +44,9 @@ def times_indexed(db_url: str, annotation_id: int) -> int | None:
         return None if row is None else int(row[0])
 
 
-def test_a_job_delivered_twice_is_indexed_once(db_url: str, queue: str, spawn: Any) -> None:
+def test_a_job_delivered_twice_is_indexed_once(
+    db_url: str, queue: str, start_pipeline: Any
+) -> None:
     task_id = uuid.UUID("7e0f8a52-35c4-4c2b-9d67-2f1e5a0b7c11")
     with psycopg.connect(db_url) as conn:
         for _ in range(2):
@@ -67,7 +61,7 @@ def test_a_job_delivered_twice_is_indexed_once(db_url: str, queue: str, spawn: A
         ).fetchone()
         assert copies == (2,)
 
-    _start(spawn, db_url, queue)
+    start_pipeline(db_url, queue)
     support.wait_for(lambda: len(runs(db_url, task_id)) >= 2, 60,
                      "the worker to run both deliveries of the job")
     assert runs(db_url, task_id) == [False, True]

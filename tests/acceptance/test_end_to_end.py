@@ -13,19 +13,10 @@ import drain
 from tests import support
 
 
-def _start(spawn: Any, db_url: str, queue: str) -> tuple[support.Process, support.Process]:
-    env = support.drain_env(db_url)
-    worker = spawn(support.celery_argv(queue), env, "worker")
-    runner = spawn(support.drain_argv("run", "--poll-interval", "0.5"), env, "drain")
-    worker.wait_for_output("ready.", timeout=60)
-    runner.wait_for_output("broker connected", timeout=30)
-    return runner, worker
-
-
 def test_committed_jobs_run_and_rolled_back_jobs_never_do(
-    db_url: str, queue: str, spawn: Any
+    db_url: str, queue: str, start_pipeline: Any
 ) -> None:
-    _start(spawn, db_url, queue)
+    start_pipeline(db_url, queue)
     committed: dict[str, dict[str, Any]] = {}
     with psycopg.connect(db_url) as conn:
         for i in range(5):
@@ -77,8 +68,10 @@ def _ran(db_url: str, task_id: str) -> Callable[[], bool]:
     return lambda: any(r["task_id"] == task_id for r in support.executed(db_url))
 
 
-def test_job_in_open_transaction_waits_for_commit(db_url: str, queue: str, spawn: Any) -> None:
-    runner, _ = _start(spawn, db_url, queue)
+def test_job_in_open_transaction_waits_for_commit(
+    db_url: str, queue: str, start_pipeline: Any
+) -> None:
+    runner, _ = start_pipeline(db_url, queue)
     conn = psycopg.connect(db_url)
     try:
         task_id = str(drain.stage(conn, "celery_app.record", ["late"], queue=queue))
@@ -110,9 +103,9 @@ def test_job_in_open_transaction_waits_for_commit(db_url: str, queue: str, spawn
 
 
 def test_unknown_task_is_rejected_by_the_worker_not_retried_forever(
-    db_url: str, queue: str, spawn: Any
+    db_url: str, queue: str, start_pipeline: Any
 ) -> None:
-    _, worker = _start(spawn, db_url, queue)
+    _, worker = start_pipeline(db_url, queue)
     with psycopg.connect(db_url) as conn:
         unknown = drain.stage(conn, "no.such.task", [1], queue=queue)
         known = drain.stage(conn, "celery_app.record", [2], queue=queue)

@@ -15,15 +15,6 @@ from drain.message import StagedRow
 from tests import support
 
 
-def _start(spawn: Any, db_url: str, queue: str) -> tuple[support.Process, support.Process]:
-    env = support.drain_env(db_url)
-    worker = spawn(support.celery_argv(queue), env, "worker")
-    runner = spawn(support.drain_argv("run", "--poll-interval", "0.5"), env, "drain")
-    worker.wait_for_output("ready.", timeout=60)
-    runner.wait_for_output("broker connected", timeout=30)
-    return runner, worker
-
-
 def _executed_tags(db_url: str) -> dict[str, str | None]:
     """task id -> the drain tag the task read from its request, for every run task."""
     with psycopg.connect(db_url) as conn:
@@ -38,9 +29,9 @@ def _ran(db_url: str, *task_ids: str) -> bool:
 
 
 def test_the_task_reads_its_drain_tag_from_the_request(
-    db_url: str, queue: str, spawn: Any
+    db_url: str, queue: str, start_pipeline: Any
 ) -> None:
-    _start(spawn, db_url, queue)
+    start_pipeline(db_url, queue)
     with psycopg.connect(db_url) as conn:
         tagged = str(drain.stage(conn, "celery_app.record", ["tagged"], queue=queue,
                                  tag="api.create_annotation"))
@@ -82,9 +73,9 @@ def _publish(queue: str, expires_at: dt.datetime, args: list[Any]) -> str:
 
 
 def test_the_worker_does_not_run_a_job_whose_expiry_has_passed(
-    db_url: str, queue: str, spawn: Any
+    db_url: str, queue: str, start_pipeline: Any
 ) -> None:
-    _, worker = _start(spawn, db_url, queue)
+    _, worker = start_pipeline(db_url, queue)
     now = dt.datetime.now(dt.timezone.utc)
     expired = _publish(queue, now - dt.timedelta(seconds=5), ["expired"])
     # The same message with an expiry still ahead runs: the one above is
