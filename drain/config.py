@@ -24,6 +24,8 @@ DEFAULT_BROKER_URL = "amqp://guest:guest@127.0.0.1:5672//"
 #: An arbitrary fixed key (``hash('drain')`` truncated), overridable per deployment.
 DEFAULT_LOCK_KEY = 7_236_969_102_118_146_416
 NOTIFY_CHANNEL = "drain_staged_jobs"
+#: The most lanes one drain may be split into.
+MAX_LANES = 64
 
 _MASK = "***"
 
@@ -60,30 +62,52 @@ class Settings:
     #: refused by the broker: RabbitMQ's ``max_message_size`` (16 MiB on 4.x,
     #: 128 MiB on 3.x).
     max_message_size: int = 16 * 1024 * 1024
+    #: How the fetch finds the next rows: "keyset" (from per-priority low-water
+    #: marks, immune to the dead rows a long transaction keeps; drain.keyset) or
+    #: "head" (from the head of the index every time; for comparison only).
+    fetch_strategy: str = "keyset"
+    #: Seconds between full rescans from the head of the index (keyset only).
+    rescan_interval: float = 60.0
+    #: Lanes: this drain publishes only the rows with ``id % lanes == lane``,
+    #: under its own lock, so ``lanes`` drains can run in parallel.
+    lanes: int = 1
+    lane: int = 0
 
     def __post_init__(self) -> None:
+        positive = {
+            "poll interval": self.poll_interval,
+            "standby interval": self.standby_interval,
+            "confirm timeout": self.confirm_timeout,
+            "max backoff": self.max_backoff,
+            "max message size": self.max_message_size,
+            "rescan interval": self.rescan_interval,
+        }
+        for what, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{what} must be positive, got {value}")
         if self.batch_size < 1:
             raise ConfigError(f"batch size must be at least 1, got {self.batch_size}")
-        if self.poll_interval <= 0:
-            raise ConfigError(f"poll interval must be positive, got {self.poll_interval}")
-        if self.standby_interval <= 0:
-            raise ConfigError(f"standby interval must be positive, got {self.standby_interval}")
-        if self.confirm_timeout <= 0:
-            raise ConfigError(f"confirm timeout must be positive, got {self.confirm_timeout}")
-        if self.max_backoff <= 0:
-            raise ConfigError(f"max backoff must be positive, got {self.max_backoff}")
         if not -(2**63) <= self.lock_key < 2**63:
             raise ConfigError(f"lock key must fit in a signed 64-bit integer, got {self.lock_key}")
         if not 0 <= self.queue_max_priority <= 255:
             raise ConfigError(
                 f"queue max priority must be from 0 to 255, got {self.queue_max_priority}"
             )
-        if self.max_message_size < 1:
-            raise ConfigError(f"max message size must be positive, got {self.max_message_size}")
-        if self.queue_declare not in ("celery", "passive"):
+        if not 1 <= self.lanes <= MAX_LANES:
+            raise ConfigError(f"lanes must be from 1 to {MAX_LANES}, got {self.lanes}")
+        if not 0 <= self.lane < self.lanes:
             raise ConfigError(
-                f"queue declare mode must be 'celery' or 'passive', got {self.queue_declare!r}"
+                f"lane must be from 0 to {self.lanes - 1} (--lanes {self.lanes}), got {self.lane}"
             )
+        choices = {
+            "queue declare mode": (self.queue_declare, ("celery", "passive")),
+            "fetch strategy": (self.fetch_strategy, ("keyset", "head")),
+        }
+        for what, (choice, allowed) in choices.items():
+            if choice not in allowed:
+                raise ConfigError(
+                    f"{what} must be {' or '.join(repr(a) for a in allowed)}, got {choice!r}"
+                )
         # Parse both URLs now so that a malformed one fails at start, not later.
         database_conninfo(self.database_url)
         broker_parameters(self.broker_url)
@@ -109,7 +133,8 @@ class Settings:
             f"broker={mask_url(self.broker_url)} batch_size={self.batch_size} "
             f"poll_interval={self.poll_interval}s lock_key={self.lock_key} "
             f"queue_declare={self.queue_declare} queue_max_priority={self.queue_max_priority} "
-            f"max_message_size={self.max_message_size}"
+            f"max_message_size={self.max_message_size} fetch={self.fetch_strategy}"
+            + (f" lane={self.lane}/{self.lanes}" if self.lanes > 1 else "")
         )
 
     def secrets(self) -> list[str]:

@@ -60,3 +60,7 @@ class QueueDeclareRefused(BrokerUnavailable):
         )
         self.queue = queue
         self.reason = reason
+
+
+class LaneConflict(DrainError):
+    """Drains split in a different number of lanes run on the same lock key."""

@@ -52,6 +52,8 @@ class StagedRow:
     priority: int = 0
     tag: str | None = None
     expires_at: dt.datetime | None = None
+    #: Not delayed (``not_before IS NULL``): read through the priority marks.
+    ready: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
