@@ -11,38 +11,84 @@ SELECT pg_try_advisory_lock(%(key)s);
 -- name: unlock
 SELECT pg_advisory_unlock(%(key)s);
 
+-- name: try_lane_lock
+-- Lane K of N: its own lock, (class, K) in the two-int keyspace.
+SELECT pg_try_advisory_lock(%(class)s::int, %(lane)s::int);
+
+-- name: join_lanes
+-- Every drain of a lock key holds (guard, N) shared, N its number of lanes:
+-- the lanes of one drain share rows by id modulo N, so drains split in a
+-- different number of lanes would publish the same rows. lanes_in_use, run
+-- after this, shows the lane counts of the others.
+SELECT pg_advisory_lock_shared(%(guard)s::int, %(lanes)s::int)::text;
+
 -- name: listen
 LISTEN drain_staged_jobs;
 
 -- name: fetch_batch
 -- The next batch: highest priority first, then oldest. Ready rows come from
--- staged_jobs_ready_idx in that order; delayed rows that are due come from
--- staged_jobs_delayed_idx by due time, so rows not yet due are never scanned.
--- Left out: the batch still in flight (published, not yet confirmed), the
--- queues the broker is refusing for now, and expired rows (expire moves at
--- most a batch of them per cycle; the rest wait for the next cycles rather
--- than being published with an expiry in the past). JSON stays text: the
--- message body is built from it without a decode/encode round trip.
-SELECT id, task_id, task_name, args::text, kwargs::text, queue, priority, tag, expires_at
+-- staged_jobs_ready_idx: each priority with a low-water mark (drain.keyset)
+-- is read from (priority, mark) on, past the dead index entries of rows
+-- already drained; the open ranges of priorities between them from their
+-- head. Delayed rows that are due come from staged_jobs_delayed_idx by due
+-- time, so rows not yet due are never scanned. Left out: the batch still in
+-- flight (published, not yet confirmed), the queues the broker is refusing
+-- for now, expired rows (expire moves at most a batch of them per cycle; the
+-- rest wait for the next cycles rather than being published with an expiry
+-- in the past), and rows of other lanes. JSON stays text: the message body
+-- is built from it without a decode/encode round trip.
+SELECT id, task_id, task_name, args::text, kwargs::text, queue, priority, tag, expires_at,
+       not_before IS NULL AS ready
 FROM (
-    (SELECT * FROM staged_jobs
-     WHERE not_before IS NULL
-       AND (expires_at IS NULL OR expires_at > now())
-       AND id <> ALL(%(exclude)s::bigint[])
-       AND queue <> ALL(%(paused)s::text[])
-     ORDER BY priority DESC, id
-     LIMIT %(limit)s)
+    (SELECT s.* FROM unnest(%(priorities)s::int[], %(marks)s::bigint[]) AS m(p, w)
+     CROSS JOIN LATERAL (
+        SELECT * FROM staged_jobs s
+        WHERE s.not_before IS NULL AND s.priority = m.p AND s.id >= m.w
+          AND (s.expires_at IS NULL OR s.expires_at > now())
+          AND s.id <> ALL(%(exclude)s::bigint[])
+          AND s.queue <> ALL(%(paused)s::text[])
+          AND (%(lanes)s::int = 1 OR mod(s.id, %(lanes)s::int) = %(lane)s::int)
+        ORDER BY s.priority DESC, s.id
+        LIMIT %(limit)s) AS s)
     UNION ALL
-    (SELECT * FROM staged_jobs
-     WHERE not_before IS NOT NULL AND not_before <= now()
-       AND (expires_at IS NULL OR expires_at > now())
-       AND id <> ALL(%(exclude)s::bigint[])
-       AND queue <> ALL(%(paused)s::text[])
-     ORDER BY not_before, id
+    (SELECT s.* FROM unnest(%(gap_above)s::int[], %(gap_below)s::int[]) AS g(above, below)
+     CROSS JOIN LATERAL (
+        SELECT * FROM staged_jobs s
+        WHERE s.not_before IS NULL AND s.priority > g.above AND s.priority < g.below
+          AND (s.expires_at IS NULL OR s.expires_at > now())
+          AND s.id <> ALL(%(exclude)s::bigint[])
+          AND s.queue <> ALL(%(paused)s::text[])
+          AND (%(lanes)s::int = 1 OR mod(s.id, %(lanes)s::int) = %(lane)s::int)
+        ORDER BY s.priority DESC, s.id
+        LIMIT %(limit)s) AS s)
+    UNION ALL
+    (SELECT * FROM staged_jobs s
+     WHERE s.not_before IS NOT NULL AND s.not_before <= now()
+       AND (s.expires_at IS NULL OR s.expires_at > now())
+       AND s.id <> ALL(%(exclude)s::bigint[])
+       AND s.queue <> ALL(%(paused)s::text[])
+       AND (%(lanes)s::int = 1 OR mod(s.id, %(lanes)s::int) = %(lane)s::int)
+     ORDER BY s.not_before, s.id
      LIMIT %(limit)s)
 ) AS due
 ORDER BY priority DESC, id
 LIMIT %(limit)s;
+
+-- name: fetch_heads
+-- For drain.keyset's rescan rule, in the batch's own snapshot: that
+-- snapshot's xmin and xmax, and for each marked priority the smallest id
+-- still staged at or above its mark (NULL: none), whatever its queue, expiry
+-- or flight. Each is one index descent from (priority, mark).
+SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint,
+       pg_snapshot_xmax(pg_current_snapshot())::text::bigint,
+       ARRAY(
+           SELECT (SELECT s.id FROM staged_jobs s
+                   WHERE s.not_before IS NULL AND s.priority = m.p AND s.id >= m.w
+                     AND (%(lanes)s::int = 1 OR mod(s.id, %(lanes)s::int) = %(lane)s::int)
+                   ORDER BY s.priority DESC, s.id
+                   LIMIT 1)
+           FROM unnest(%(priorities)s::int[], %(marks)s::bigint[]) WITH ORDINALITY AS m(p, w, n)
+           ORDER BY m.n);
 
 -- name: expire
 -- Move rows whose expires_at has passed to dead_jobs, in the batch transaction.
@@ -80,35 +126,128 @@ FROM gone;
 -- name: delete_confirmed
 DELETE FROM staged_jobs WHERE id = ANY(%(ids)s);
 
--- name: backlog
-SELECT count(*),
-       EXTRACT(EPOCH FROM now() - min(staged_at))::float8,
-       count(*) FILTER (WHERE not_before > now())
-FROM staged_jobs;
+-- name: backlog_estimate
+-- drain status: what the statistics know about staged_jobs, without reading
+-- it. n_live_tup is kept up to date by every commit (and reset by vacuum and
+-- analyze); n_dead_tup counts the deleted rows vacuum has not removed yet
+-- (held back by old transactions); the size in pages sets the sample rate.
+SELECT coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0),
+       pg_relation_size(c.oid) / current_setting('block_size')::int
+FROM pg_class c
+LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
+WHERE c.oid = 'staged_jobs'::regclass;
 
 -- name: backlog_groups
--- The backlog grouped for `drain status` (the biggest groups first).
+-- drain status, exact: the backlog grouped (the biggest groups first), with
+-- the totals over every group. A group's age is that of its oldest row that
+-- is due: a ready row waits from staged_at, a delayed one from not_before
+-- (NULL: every row of the group is delayed into the future).
 SELECT queue, tag, task_name, count(*),
-       EXTRACT(EPOCH FROM now() - min(staged_at))::float8
+       count(*) FILTER (WHERE not_before > now()),
+       EXTRACT(EPOCH FROM now() - min(CASE WHEN not_before IS NULL THEN staged_at
+                                          WHEN not_before <= now() THEN not_before END))::float8,
+       sum(count(*)) OVER ()::bigint,
+       sum(count(*) FILTER (WHERE not_before > now())) OVER ()::bigint,
+       count(*) OVER ()
 FROM staged_jobs
 GROUP BY queue, tag, task_name
 ORDER BY count(*) DESC, queue, tag, task_name
 LIMIT 50;
 
+-- name: backlog_groups_sample
+-- drain status above the exact-count threshold: the same from a block sample
+-- of `percent` per cent of the pages; the caller scales the counts. Ages
+-- are the oldest sampled row's: a lower bound.
+SELECT queue, tag, task_name, count(*),
+       count(*) FILTER (WHERE not_before > now()),
+       EXTRACT(EPOCH FROM now() - min(CASE WHEN not_before IS NULL THEN staged_at
+                                          WHEN not_before <= now() THEN not_before END))::float8,
+       sum(count(*)) OVER ()::bigint,
+       sum(count(*) FILTER (WHERE not_before > now())) OVER ()::bigint,
+       count(*) OVER ()
+FROM staged_jobs TABLESAMPLE SYSTEM (%(percent)s)
+GROUP BY queue, tag, task_name
+ORDER BY count(*) DESC, queue, tag, task_name
+LIMIT 50;
+
+-- name: backlog_oldest
+-- drain status: how long the oldest due row has waited, from index heads
+-- only (no scan, however big the backlog): the first entry of each priority
+-- in staged_jobs_ready_idx (a loose index scan, one descent per priority;
+-- within a priority ids follow staging order, so approximately the oldest),
+-- and the head of staged_jobs_delayed_idx (positive: due that long ago;
+-- negative: nothing delayed is due yet).
+WITH RECURSIVE heads AS (
+    (SELECT priority, staged_at FROM staged_jobs
+     WHERE not_before IS NULL
+     ORDER BY priority DESC, id
+     LIMIT 1)
+    UNION ALL
+    SELECT n.priority, n.staged_at
+    FROM heads
+    CROSS JOIN LATERAL (
+        SELECT s.priority, s.staged_at FROM staged_jobs s
+        WHERE s.not_before IS NULL AND s.priority < heads.priority
+        ORDER BY s.priority DESC, s.id
+        LIMIT 1) AS n
+)
+SELECT (SELECT EXTRACT(EPOCH FROM now() - min(staged_at))::float8 FROM heads),
+       (SELECT EXTRACT(EPOCH FROM now() - not_before)::float8 FROM staged_jobs
+        WHERE not_before IS NOT NULL
+        ORDER BY not_before, id
+        LIMIT 1);
+
 -- name: dead_by_reason
 SELECT reason, count(*) FROM dead_jobs GROUP BY reason ORDER BY count(*) DESC, reason;
 
+-- name: oldest_transaction
+-- drain status: the oldest open transaction of this database (other than our
+-- own), the one that keeps vacuum from removing drained rows when it holds a
+-- snapshot or a transaction id. Client sessions, and prepared transactions
+-- (pid NULL). Other roles' sessions show no xact_start without
+-- pg_read_all_stats, and are left out then.
+SELECT * FROM (
+    SELECT a.pid, a.state, a.application_name, a.xact_start,
+           EXTRACT(EPOCH FROM now() - a.xact_start)::float8,
+           a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL
+    FROM pg_stat_activity a
+    WHERE a.datname = current_database()
+      AND a.pid <> pg_backend_pid()
+      AND a.backend_type = 'client backend'
+      AND a.xact_start IS NOT NULL
+    UNION ALL
+    SELECT NULL, 'prepared', NULL, p.prepared,
+           EXTRACT(EPOCH FROM now() - p.prepared)::float8, true
+    FROM pg_prepared_xacts p
+    WHERE p.database = current_database()
+) AS t(pid, state, application_name, xact_start, age, blocks_vacuum)
+ORDER BY xact_start
+LIMIT 1;
+
 -- name: lock_holder
--- Advisory locks on a bigint key appear in pg_locks split into two int4 halves.
+-- Who holds an advisory lock. pg_locks shows a bigint key as two int4 halves
+-- (objsubid 1) and a two-int4 key as those two (objsubid 2), as unsigned oids.
 SELECT a.pid, a.application_name, host(a.client_addr), a.backend_start
 FROM pg_locks l
 JOIN pg_stat_activity a ON a.pid = l.pid
 WHERE l.locktype = 'advisory'
   AND l.granted
+  AND l.mode = 'ExclusiveLock'
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND l.classid = ((%(key)s::bigint >> 32) & 4294967295)::bigint::oid
-  AND l.objid = (%(key)s::bigint & 4294967295)::bigint::oid
-  AND l.objsubid = 1;
+  AND l.classid = (%(high)s::bigint & 4294967295)::bigint::oid
+  AND l.objid = (%(low)s::bigint & 4294967295)::bigint::oid
+  AND l.objsubid = %(form)s;
+
+-- name: lanes_in_use
+-- The lane counts drains of a lock key run with: each holds (guard, N) shared.
+SELECT DISTINCT l.objid::text::int
+FROM pg_locks l
+WHERE l.locktype = 'advisory'
+  AND l.granted
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.classid = (%(guard)s::bigint & 4294967295)::bigint::oid
+  AND l.objsubid = 2
+ORDER BY 1;
 
 -- name: set_application_name
 SELECT set_config('application_name', %(name)s, false);

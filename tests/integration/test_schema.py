@@ -331,7 +331,7 @@ def test_grants(db_url: str, login_roles: tuple[str, str]) -> None:
         assert_refused(runner, VALID_INSERT)
         assert_refused(runner, "UPDATE staged_jobs SET queue = 'other'")
         # The drain's own queries are enough with drain_runner alone.
-        params = {"limit": 10, "exclude": [], "paused": []}
+        params = store.fetch_params(10)
         rows = runner.execute(sql.query("fetch_batch"), params).fetchall()
         assert len(rows) == 4
         [app_row] = [r for r in rows if r[1] == staged]
