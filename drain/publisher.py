@@ -178,7 +178,7 @@ class Publisher:
         """Turn the I/O loop for up to ``seconds``: heartbeats, close notices."""
         if self._conn is None:
             return
-        self._run_until(lambda: self._failure is not None, seconds, run_once=True)
+        self._turn(seconds)
         self._raise_if_failed()
 
     # -- publishing -----------------------------------------------------------
@@ -225,6 +225,10 @@ class Publisher:
             # No confirm can have arrived yet: the I/O loop has not turned.
             del batch.status[sent:]
             self._base_tag = batch.base + sent
+        # pika only writes when its I/O loop turns: send the batch now, not when
+        # the next cycle waits for confirms (measured: ~2 ms of latency per job).
+        if sent:
+            self._turn(0.0)
         return batch
 
     def forget_inflight(self) -> None:
@@ -420,6 +424,10 @@ class Publisher:
     def _wake(self) -> None:
         if self._done() and self._conn is not None:
             self._conn.ioloop.stop()
+
+    def _turn(self, seconds: float) -> None:
+        """Turn the I/O loop once (writes, confirms, heartbeats), for up to ``seconds``."""
+        self._run_until(lambda: self._failure is not None, seconds, run_once=True)
 
     def _run_until(
         self, done: Callable[[], bool], timeout: float, *, run_once: bool = False

@@ -37,7 +37,7 @@ from types import FrameType
 
 import tenacity
 
-from drain import message
+from drain import keyset, message
 from drain.config import Settings, broker_parameters, mask_url, scrub
 from drain.errors import (
     BrokerRefused,
@@ -45,9 +45,11 @@ from drain.errors import (
     DatabaseRefused,
     DatabaseUnavailable,
     DrainError,
+    LaneConflict,
     QueueDeclareRefused,
 )
 from drain.message import StagedRow
+from drain.metrics import Metrics
 from drain.publisher import Batch, Publisher, PublishResult
 from drain.store import Store
 
@@ -55,6 +57,10 @@ log = logging.getLogger(__name__)
 
 #: Seconds a stopping drain waits for its last batch's confirms.
 SETTLE_TIMEOUT = 3.0
+#: Seconds between two looks at the marked priorities' heads (drain.keyset).
+HEADS_INTERVAL = 0.25
+#: Seconds between two looks for expired rows while none are found.
+EXPIRE_INTERVAL = 1.0
 
 
 class State(enum.Enum):
@@ -87,12 +93,21 @@ class Drain:
         *,
         exit_when_empty: bool = False,
         on_cycle: Callable[[int, int], None] | None = None,
+        on_fetch: Callable[[float, int], None] | None = None,
     ) -> None:
         self.settings = settings
         self.exit_when_empty = exit_when_empty
         self.state = State.STARTING
         self.published = 0
         self._on_cycle = on_cycle
+        self._on_fetch = on_fetch
+        self.metrics = Metrics()
+        self.metrics.lanes.set(settings.lanes)
+        self._heartbeat = time.monotonic()
+        self._heads_at = 0.0
+        self._expired_at = 0.0
+        self._marks = keyset.Marks(enabled=settings.fetch_strategy == "keyset",
+                                   rescan_interval=settings.rescan_interval)
         self._secrets = settings.secrets()
         self._store = Store(settings)
         self._publisher = Publisher(
@@ -108,6 +123,7 @@ class Drain:
             max_priority=settings.queue_max_priority,
         )
         self._stopping = False
+        self._lane_conflict: str | None = None
         self._inflight: Batch | None = None
         self._connected_once: set[str] = set()
         #: queue -> (paused until (monotonic), times paused, last reason logged)
@@ -116,6 +132,11 @@ class Drain:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+
+    @property
+    def marks(self) -> keyset.Marks:
+        """The fetch's low-water marks (drain.keyset)."""
+        return self._marks
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -134,10 +155,23 @@ class Drain:
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
 
+    def health(self) -> dict[str, object]:
+        """For /healthz and /readyz: alive (the loop went round lately), ready, role, state."""
+        stalled_after = self.settings.confirm_timeout + 30.0
+        return {
+            "alive": time.monotonic() - self._heartbeat < stalled_after,
+            "ready": self._store.connected,
+            "role": "leader" if self._store.holds_lock else "standby",
+            "state": self.state.value,
+        }
+
     def run(self) -> None:
         log.info("drain starting: %s", self.settings.describe())
+        self.metrics.up.set(1)
         try:
             while not self._stopping or self._inflight is not None:
+                self._heartbeat = time.monotonic()
+                self.metrics.holding_lock(self._store.holds_lock)
                 if self._stopping:
                     self._settle()
                     break
@@ -152,6 +186,8 @@ class Drain:
                     continue
                 self._step()
         finally:
+            self.metrics.up.set(0)
+            self.metrics.holding_lock(False)
             self._set_state(State.STOPPING, "drain stopping (published %d this run)",
                             self.published)
             self._publisher.close()
@@ -172,16 +208,29 @@ class Drain:
     def _try_lead(self) -> None:
         try:
             if self._store.try_lock():
-                self._set_state(State.ACTIVE, "active: took the drain lock (key %d)",
-                                self.settings.lock_key)
+                self._marks.reset()  # others drained meanwhile: start from the head
+                self._lane_conflict = None
+                lane = (f", lane {self.settings.lane} of {self.settings.lanes}"
+                        if self.settings.lanes > 1 else "")
+                self._set_state(State.ACTIVE, "active: took the drain lock (key %d%s)",
+                                self.settings.lock_key, lane)
                 return
         except DatabaseUnavailable as exc:
             self._database_lost(exc)
             return
+        except LaneConflict as exc:
+            if str(exc) != self._lane_conflict:
+                self._lane_conflict = str(exc)
+                log.warning("standby: %s; waiting until they stop", exc)
+            self.state = State.STANDBY
+            self._sleep(self.settings.standby_interval)
+            return
         self._recovered("database")
+        what = (f"lane {self.settings.lane} of {self.settings.lanes}"
+                if self.settings.lanes > 1 else "the lock")
         self._set_state(State.STANDBY,
-                        "standby: another drain holds the lock (key %d); waiting to take over",
-                        self.settings.lock_key)
+                        "standby: another drain holds %s (key %d); waiting to take over",
+                        what, self.settings.lock_key)
         self._sleep(self.settings.standby_interval)
 
     def _connect_broker(self) -> None:
@@ -191,6 +240,7 @@ class Drain:
             self.state = State.ACTIVE
 
     def _step(self) -> None:
+        started = time.perf_counter()
         try:
             count = self._cycle()
         except DatabaseUnavailable as exc:
@@ -199,6 +249,8 @@ class Drain:
         except BrokerUnavailable as exc:
             self._broker_lost(exc)
             return
+        self.metrics.cycle_seconds.observe(time.perf_counter() - started)
+        self.metrics.last_cycle.set(time.time())
         self._recovered("database")
         self._recovered("broker")
         if count < self.settings.batch_size and self._inflight is None:
@@ -215,7 +267,9 @@ class Drain:
         k+1 fetches and publishes the next one, so the broker never waits for
         Postgres: transaction k+1 then deletes the rows of batch k that the
         broker confirmed. Rows still in flight are excluded from the fetch.
-        In the same transaction, expired rows and rows that can never become a
+        A part batch (nothing left behind it to overlap with) is confirmed and
+        deleted in its own transaction: the latency of a lone job is one
+        transaction, not two. In the same transaction, expired rows and rows that can never become a
         message move to dead_jobs. Returns how many rows were fetched or expired.
         """
         previous, self._inflight = self._inflight, None
@@ -229,37 +283,50 @@ class Drain:
         with self._store.batch():
             exclude = previous.row_ids if previous else []
             if not self._stopping:
-                expired = self._store.expire(exclude, limit)
+                if self._expire_due():
+                    expired = self._store.expire(exclude, limit)
+                    self._expired_at = time.monotonic() if expired < limit else 0.0
                 if expired:
+                    self.metrics.expired.inc(expired)
+                    self.metrics.dead_lettered.labels("expired").inc(expired)
                     log.warning("moved %d expired job(s) to dead_jobs (reason 'expired')",
                                 expired)
                 # A full batch expired: more expired rows may remain, which the
                 # fetch would have to skip one by one. Move them first (the next
                 # cycle follows at once) and fetch once they are gone.
                 if expired < limit:
-                    rows = self._store.fetch(limit, exclude, self._paused_queues())
+                    rows = self._fetch(limit, exclude)
             if rows:
+                self.metrics.batch_rows.observe(len(rows))
+                publishing = time.perf_counter()
                 try:
                     current = self._start(rows, doomed)
                 except BrokerUnavailable as exc:
                     start_error = exc
+                self.metrics.publish_seconds.observe(time.perf_counter() - publishing)
             if previous is not None:
                 # On the way out, do not keep a stalled broker's batch for the whole
                 # confirm timeout: abandoning it is safe (its rows stay staged).
                 settle = SETTLE_TIMEOUT if self._stopping else None
-                results.append(self._publisher.wait(previous, settle))
-            if current is not None and (start_error or any(r.error for r in results)):
+                results.append(self._wait(previous, settle))
+            if current is not None and (
+                start_error or any(r.error for r in results) or len(rows) < limit
+            ):
                 # The connection failed: collect what was confirmed before that.
-                results.append(self._publisher.wait(current))
+                # Or no backlog is left (a part batch): nothing would follow to
+                # overlap with, so wait for these confirms and delete the rows in
+                # this transaction (one transaction per job instead of two).
+                results.append(self._wait(current))
                 current = None
             confirmed = [row_id for r in results for row_id in r.confirmed]
-            if confirmed:
-                self._store.delete(confirmed)
+            deleted = self._store.delete(confirmed) if confirmed else 0
             if doomed:
                 self._store.bury(doomed)
         # Committed: the confirmed rows are gone, everything else stays staged.
         self._inflight = current
+        self.metrics.deleted.inc(deleted)
         for reason, count in sorted(collections.Counter(r for _, r, _ in doomed).items()):
+            self.metrics.dead_lettered.labels(reason).inc(count)
             log.warning("moved %d job(s) to dead_jobs (reason %r)", count, reason)
         for result in results:
             self._account(result)
@@ -267,6 +334,41 @@ class Drain:
         if error is not None:
             raise error
         return max(len(rows), expired)
+
+    def _wait(self, batch: Batch, timeout: float | None = None) -> PublishResult:
+        """Wait for a batch's confirms, timed."""
+        started = time.perf_counter()
+        try:
+            return self._publisher.wait(batch, timeout)
+        finally:
+            self.metrics.confirm_seconds.observe(time.perf_counter() - started)
+
+    def _expire_due(self) -> bool:
+        """Look for expired rows at most every EXPIRE_INTERVAL while there are none
+        (the fetch leaves them out meanwhile), at once while a batch of them remains."""
+        return time.monotonic() - self._expired_at >= EXPIRE_INTERVAL
+
+    def _fetch(self, limit: int, exclude: list[int]) -> list[StagedRow]:
+        """Fetch the next batch and move the low-water marks (drain.keyset)."""
+        started = time.perf_counter()
+        marks = self._marks
+        plan = marks.plan(time.monotonic()) if marks.enabled else None
+        rows = self._store.fetch(limit, exclude, self._paused_queues(), plan)
+        if marks.enabled:
+            now = time.monotonic()
+            marks.fetched([(row.priority, row.id) for row in rows if row.ready], now)
+            current = marks.current()
+            # The rescan rule needs a look at the heads now and then, not per batch:
+            # spare the round trip on most fetches.
+            if current.priorities and now - self._heads_at >= HEADS_INTERVAL:
+                self._heads_at = now
+                heads, xmin, xmax = self._store.heads(current)
+                marks.observe(heads, xmin, xmax, now)
+        elapsed = time.perf_counter() - started
+        self.metrics.fetch_seconds.observe(elapsed)
+        if self._on_fetch is not None:
+            self._on_fetch(elapsed, len(rows))
+        return rows
 
     def _start(self, rows: list[StagedRow], doomed: list[tuple[int, str, str]]) -> Batch | None:
         """Declare the rows' queues and publish the rows whose queues were accepted."""
@@ -323,6 +425,9 @@ class Drain:
 
     def _account(self, result: PublishResult) -> None:
         self.published += len(result.confirmed)
+        self.metrics.published.inc(len(result.confirmed))
+        self.metrics.unroutable.inc(len(result.returned))
+        self.metrics.nacked.inc(result.nacked)
         self._resume(result.confirmed_queues - result.returned_queues)
         for queue in sorted(result.returned_queues):
             # Unroutable: nothing bound to it (deleted behind our back?). Declare
@@ -441,6 +546,8 @@ class Drain:
             if first_refusal(exc):
                 raise
             return False
+        if what in self._connected_once:
+            self.metrics.reconnects.labels(what).inc()
         self._connected_once.add(what)
         return True
 
@@ -464,6 +571,7 @@ class Drain:
         """Sleep, but return at once when asked to stop."""
         if self._stopping:
             return
+        self._heartbeat = time.monotonic()
         select.select([self._wake_r], [], [], seconds)
         self._drain_wake_pipe()
 
