@@ -9,12 +9,14 @@ traceback and debug logging.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import enum
 import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,29 +71,11 @@ def _add_lock_key(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="drain",
-        description="Stage Celery jobs in your Postgres transaction; drain them to RabbitMQ.",
-        epilog="Exit codes: 0 ok, 1 unexpected error, 2 bad usage or input, "
-        "3 database or broker unavailable, 4 schema missing (run `drain migrate`).",
-    )
-    parser.add_argument("--version", action="version", version=f"drain {__version__}")
-    parser.add_argument(
-        "-v", "--verbose", action="store_true", help="debug logging and tracebacks on errors"
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+#: /metrics and friends; lane K of a drain split in lanes serves on this + K.
+DEFAULT_METRICS_PORT = 9464
 
-    p = sub.add_parser(
-        "migrate",
-        help="apply staging_schema.sql to the database (idempotent)",
-        description="Create or update staged_jobs, its NOTIFY trigger and the drain_stager / "
-        "drain_runner roles. Safe to run any number of times.",
-    )
-    _add_database(p)
-    p.add_argument("--print", action="store_true", help="print the schema SQL, apply nothing")
-    p.set_defaults(func=cmd_migrate)
 
+def _add_run_parser(sub: Any) -> None:
     p = sub.add_parser(
         "run",
         help="run the drain (one active per lock key, others wait as standbys)",
@@ -158,6 +142,64 @@ def build_parser() -> argparse.ArgumentParser:
         "refuse them: RabbitMQ's max_message_size (env DRAIN_MAX_MESSAGE_SIZE, default "
         "16777216, RabbitMQ 4's default; 3.x allows 134217728)",
     )
+    p.add_argument(
+        "--fetch-strategy",
+        choices=("keyset", "head"),
+        default=_env("DRAIN_FETCH_STRATEGY", "keyset"),
+        help="keyset (default): start each priority's scan at a low-water mark, so the "
+        "dead rows a long-running transaction keeps from vacuum cost nothing (see "
+        "drain/keyset.py); head: scan from the head of the index every batch, only for "
+        "comparison (env DRAIN_FETCH_STRATEGY)",
+    )
+    p.add_argument(
+        "--rescan-interval",
+        type=float,
+        default=float(_env("DRAIN_RESCAN_INTERVAL", "60") or 60),
+        metavar="SECONDS",
+        help="with the keyset fetch, rescan from the head of the index this often, the "
+        "backstop for a row written long after it took its id (env DRAIN_RESCAN_INTERVAL, "
+        "default 60)",
+    )
+    p.add_argument(
+        "--lanes",
+        type=int,
+        default=int(_env("DRAIN_LANES", "1") or 1),
+        metavar="N",
+        help="split the rows in N lanes by id modulo N, each drained by its own process "
+        "with its own lock (and its own standbys); every drain of one lock key must use "
+        "the same N (env DRAIN_LANES, default 1)",
+    )
+    p.add_argument(
+        "--lane",
+        type=int,
+        default=int(_env("DRAIN_LANE", "0") or 0),
+        metavar="K",
+        help="with --lanes N: the lane this process drains, 0 to N-1 (env DRAIN_LANE)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(_env("DRAIN_METRICS_PORT", str(DEFAULT_METRICS_PORT)) or 0),
+        metavar="PORT",
+        help="serve /metrics (Prometheus), /healthz, /readyz and a status page on this port; "
+        "0: off. Each drain on one host needs its own (env DRAIN_METRICS_PORT, default 9464; "
+        "lane K of a drain split in lanes defaults to 9464 + K)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default=_env("DRAIN_METRICS_HOST", "127.0.0.1"),
+        metavar="ADDRESS",
+        help="address to serve them on; 0.0.0.0 inside a container (env DRAIN_METRICS_HOST, "
+        "default 127.0.0.1)",
+    )
+    p.add_argument(
+        "--metrics-interval",
+        type=float,
+        default=float(_env("DRAIN_METRICS_INTERVAL", "15") or 15),
+        metavar="SECONDS",
+        help="read the backlog, dead jobs and the oldest transaction from the database this "
+        "often, on a connection of its own (env DRAIN_METRICS_INTERVAL, default 15)",
+    )
     _add_lock_key(p)
     p.add_argument(
         "--exit-when-empty",
@@ -166,6 +208,32 @@ def build_parser() -> argparse.ArgumentParser:
         "and benchmarks)",
     )
     p.set_defaults(func=cmd_run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="drain",
+        description="Stage Celery jobs in your Postgres transaction; drain them to RabbitMQ.",
+        epilog="Exit codes: 0 ok, 1 unexpected error, 2 bad usage or input, "
+        "3 database or broker unavailable, 4 schema missing (run `drain migrate`).",
+    )
+    parser.add_argument("--version", action="version", version=f"drain {__version__}")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="debug logging and tracebacks on errors"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "migrate",
+        help="apply staging_schema.sql to the database (idempotent)",
+        description="Create or update staged_jobs, its NOTIFY trigger and the drain_stager / "
+        "drain_runner roles. Safe to run any number of times.",
+    )
+    _add_database(p)
+    p.add_argument("--print", action="store_true", help="print the schema SQL, apply nothing")
+    p.set_defaults(func=cmd_migrate)
+
+    _add_run_parser(sub)
 
     p = sub.add_parser(
         "stage",
@@ -210,12 +278,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "status",
-        help="backlog, oldest staged job, and which drain holds the lock",
-        description="Show the backlog and whether a drain is active.",
+        help="backlog, oldest staged job, dead letters, the oldest transaction, and which "
+        "drain holds the lock",
+        description="Show the backlog by queue, tag and task, how long the oldest due job "
+        "has waited, dead letters by reason, the database's oldest open transaction (it "
+        "keeps vacuum from removing drained rows) and which drain holds the lock. Above "
+        f"{store.ESTIMATE_ABOVE:,} staged rows the counts are estimates, and say so.",
     )
     _add_database(p)
     _add_lock_key(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (with --watch: one per line per refresh)")
+    p.add_argument("--watch", nargs="?", const=2.0, type=_interval, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2) until Ctrl-C; on a terminal the "
+                   "view is redrawn, otherwise each refresh is printed after a blank line")
     p.set_defaults(func=cmd_status)
     return parser
 
@@ -347,7 +423,8 @@ def cmd_processed_purge(args: argparse.Namespace) -> int:
 def _settings(args: argparse.Namespace, **overrides: Any) -> config.Settings:
     values: dict[str, Any] = {"database_url": args.database_url}
     for name in ("broker_url", "batch_size", "poll_interval", "confirm_timeout",
-                 "queue_declare", "lock_key", "queue_max_priority", "max_message_size"):
+                 "queue_declare", "lock_key", "queue_max_priority", "max_message_size",
+                 "fetch_strategy", "rescan_interval", "lanes", "lane"):
         if hasattr(args, name):
             values[name] = getattr(args, name)
     values.update(overrides)
@@ -368,9 +445,25 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from drain.runner import Drain  # noqa: PLC0415 - pika and celery load only for `run`
 
-    drain = Drain(_settings(args), exit_when_empty=args.exit_when_empty)
+    settings = _settings(args)
+    drain = Drain(settings, exit_when_empty=args.exit_when_empty)
     drain.install_signal_handlers()
-    drain.run()
+    with contextlib.ExitStack() as stack:
+        port = args.metrics_port
+        if port == DEFAULT_METRICS_PORT and not _env("DRAIN_METRICS_PORT"):
+            port += settings.lane  # the lanes of one host each get their own
+        if port:
+            from drain.metrics import Sampler  # noqa: PLC0415
+            from drain.web import Server  # noqa: PLC0415
+
+            sampler = Sampler(settings, drain.metrics, args.metrics_interval,
+                              lambda: drain.published)
+            server = Server(drain, sampler, args.metrics_host, port)
+            sampler.start()
+            stack.callback(sampler.stop)
+            server.start()
+            stack.callback(server.stop)
+        drain.run()
     return Exit.OK
 
 
@@ -395,33 +488,139 @@ def _json_arg(flag: str, text: str) -> Any:
         raise StagingError(f"{flag} is not valid JSON: {exc}") from None
 
 
+def _interval(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return seconds
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    with store.connect_plain(settings) as conn:
-        status = store.status(conn, settings.lock_key)
-    if args.json:
-        print(json.dumps(status, indent=2, sort_keys=True))
-        return Exit.OK
+    try:
+        if args.watch is not None:
+            return _watch_status(settings, args.json, args.watch)
+        with store.connect_plain(settings) as conn:
+            status = store.status(conn, settings.lock_key)
+        if args.json:
+            print(json.dumps(status, indent=2, sort_keys=True))
+        else:
+            print("\n".join(_status_lines(status)))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `drain status --watch | head`: the reader is done
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return Exit.OK
+
+
+def _watch_status(settings: config.Settings, as_json: bool, every: float) -> int:
+    """``drain status --watch``: redraw on a terminal, else print a block per refresh.
+
+    A failed refresh (the database restarting, say) is shown and retried at
+    the next one; Ctrl-C ends the watch with exit code 0 (in :func:`main`).
+    """
+    redraw = sys.stdout.isatty() and not as_json
+    reader = store.StatusReader(settings)
+    first = True
+    try:
+        while True:
+            taken = dt.datetime.now(dt.timezone.utc)
+            try:
+                status: dict[str, Any] | None = reader.read()
+                error = None
+            except DrainError as exc:  # shown, and retried at the next refresh
+                status, error = None, str(exc)
+            if as_json:
+                print(json.dumps(status if status is not None else {"error": error},
+                                 sort_keys=True))
+            else:
+                header = (f"drain status at {taken:%Y-%m-%d %H:%M:%S} UTC "
+                          f"(every {every:g}s; Ctrl-C to quit)")
+                body = _status_lines(status) if status is not None else [f"error: {error}"]
+                block = "\n".join([header, "", *body])
+                if redraw:
+                    print("\x1b[H\x1b[J" + block)
+                else:
+                    print(("" if first else "\n") + block)
+            sys.stdout.flush()
+            first = False
+            time.sleep(every)
+    finally:
+        reader.close()
+
+
+def _status_lines(status: dict[str, Any]) -> list[str]:
+    """``drain status`` for people: what :func:`drain.store.status` returns."""
+    estimated = status["backlog_estimated"]
+
+    def count(n: int) -> str:
+        return f"~{n:,}" if estimated else str(n)
+
+    lines = []
     age = status["oldest_age_seconds"]
-    delayed = f" ({status['delayed']} delayed)" if status["delayed"] else ""
-    print(f"backlog: {status['backlog']} staged job(s){delayed}"
-          + (f", oldest {age:.1f}s old" if age is not None else ""))
+    delayed = f" ({count(status['delayed'])} delayed)" if status["delayed"] else ""
+    lines.append(f"backlog: {count(status['backlog'])} staged job(s){delayed}"
+                 + (f", oldest {_age(age)} old" if age is not None else ""))
+    if status["sample"]:
+        lines.append(f"  (estimated from the table statistics; groups scaled from a "
+                     f"{status['sample']['percent']:g}% sample of its pages)")
     if status["by_group"]:
-        print(f"  {'queue':<20} {'tag':<24} {'task':<32} {'count':>8} {'oldest':>9}")
+        lines.append(f"  {'queue':<20} {'tag':<24} {'task':<32} {'count':>9} "
+                     f"{'delayed':>8} {'oldest':>8}")
         for g in status["by_group"]:
-            print(f"  {g['queue']:<20} {g['tag'] or '-':<24} {g['task']:<32} "
-                  f"{g['count']:>8} {g['oldest_age_seconds']:>8.1f}s")
+            oldest = _age(g["oldest_age_seconds"]) if g["oldest_age_seconds"] is not None else "-"
+            lines.append(f"  {g['queue']:<20} {g['tag'] or '-':<24} {g['task']:<32} "
+                         f"{count(g['count']):>9} {count(g['delayed']):>8} {oldest:>8}")
+        shown, groups = len(status["by_group"]), status["group_count"]
+        if groups > shown:
+            lines.append(f"  ... the {shown} biggest of {groups} groups")
     dead_counts = status["dead_by_reason"]
-    print("dead letters: " + (", ".join(f"{reason} {n}" for reason, n in dead_counts.items())
-                              if dead_counts else "none"))
+    lines.append("dead letters: " + (", ".join(f"{reason} {n}" for reason, n in dead_counts.items())
+                                     if dead_counts else "none"))
+    lines.append(f"dead tuples in staged_jobs: {status['dead_tuples']:,}")
+    lines.append("oldest transaction: " + _describe_transaction(status["oldest_transaction"]))
     lock = status["lock"]
     if lock["held"]:
-        since = f" since {lock['since']}" if lock.get("since") else ""
-        print(f"drain: active, pid {lock['pid']} on {lock['host'] or '?'}{since} "
-              f"(client {lock['client_addr'] or 'local socket'})")
-    else:
-        print("drain: none active (no process holds the lock)")
-    return Exit.OK
+        lines.append(f"drain: active, {_describe_holder(lock)}")
+    elif not status["lanes"]:
+        lines.append("drain: none active (no process holds the lock)")
+    for lane_count, holders in status["lanes"].items():
+        for holder in holders:
+            what = _describe_holder(holder) if holder["held"] else "none active"
+            lines.append(f"drain lane {holder['lane']} of {lane_count}: {what}")
+    return lines
+
+
+def _age(seconds: float) -> str:
+    """3.2s, 5m03s, 2h05m, 3d04h."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    whole = int(seconds)
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+def _describe_transaction(xact: dict[str, Any] | None) -> str:
+    if xact is None:
+        return "none open"
+    who = f"pid {xact['pid']}" if xact["pid"] is not None else "a prepared transaction"
+    app = f", application {xact['application_name']!r}" if xact["application_name"] else ""
+    vacuum = "holds back vacuum" if xact["blocks_vacuum"] else "not holding back vacuum now"
+    return f"{_age(xact['age_seconds'])} old, {who} ({xact['state'] or '?'}{app}); {vacuum}"
+
+
+def _describe_holder(lock: dict[str, Any]) -> str:
+    since = ""
+    if lock.get("since"):
+        held = dt.datetime.now(dt.timezone.utc) - dt.datetime.fromisoformat(lock["since"])
+        since = f" since {lock['since']} ({_age(max(held.total_seconds(), 0.0))})"
+    return (f"pid {lock['pid']} on {lock['host'] or '?'}{since} "
+            f"(client {lock['client_addr'] or 'local socket'})")
 
 
 def _configure_logging(verbose: bool) -> None:
