@@ -233,22 +233,29 @@ def test_broker_down_for_a_long_while_app_keeps_staging(
 # -- 2. the broker connection cut mid-batch, again and again -------------------------------
 
 
+def _cut_until_drained(proxy: support.TcpProxy, db_url: str, what: str) -> int:
+    """Cut every connection through ``proxy`` at random moments until the backlog is
+    gone (120 s at most); returns how many cuts it took."""
+    rng = random.Random()
+    cuts = 0
+    deadline = time.monotonic() + 120
+    while support.staged_count(db_url) > 0:
+        assert time.monotonic() < deadline, f"the drain wedged under {what} cuts"
+        _fault_pause(rng.uniform(0.2, 0.8))
+        proxy.cut()
+        cuts += 1
+    return cuts
+
+
 def test_broker_connection_cut_mid_batch_repeatedly(
     db_url: str, queue: str, spawn: Any
 ) -> None:
     staged = support.stage_backlog(db_url, queue, 20_000)
     proxy = support.TcpProxy(5672).start()
-    rng = random.Random()
-    cuts = 0
     try:
         proc = _run_drain(spawn, db_url, "--batch-size", "500", broker_port=proxy.port)
         proc.wait_for_output("broker connected", timeout=30)
-        deadline = time.monotonic() + 120
-        while support.staged_count(db_url) > 0:
-            assert time.monotonic() < deadline, "the drain wedged under broker cuts"
-            _fault_pause(rng.uniform(0.2, 0.8))
-            proxy.cut()
-            cuts += 1
+        cuts = _cut_until_drained(proxy, db_url, "broker")
         connections = proxy.accepted
     finally:
         proxy.stop()
@@ -346,17 +353,10 @@ def test_postgres_connection_cut_mid_batch_repeatedly(
 ) -> None:
     staged = support.stage_backlog(db_url, queue, 20_000)
     proxy = support.TcpProxy(5432).start()
-    rng = random.Random()
-    cuts = 0
     try:
         proc = _run_drain(spawn, db_url, "--batch-size", "500", db_port=proxy.port)
         proc.wait_for_output("broker connected", timeout=30)
-        deadline = time.monotonic() + 120
-        while support.staged_count(db_url) > 0:
-            assert time.monotonic() < deadline, "the drain wedged under Postgres cuts"
-            _fault_pause(rng.uniform(0.2, 0.8))
-            proxy.cut()
-            cuts += 1
+        cuts = _cut_until_drained(proxy, db_url, "Postgres")
         # The last cut may have come after the last batch: the drain leads again.
         support.wait_for(lambda: _lock_holder(db_url) == proc.pid, 30,
                          "the drain to take the lock back")
