@@ -23,8 +23,8 @@ import pytest
 from celery import Celery
 
 import drain
-from drain import message, sql
-from drain.store import Store
+from drain import keyset, message, sql
+from drain.store import Store, fetch_params
 from tests import support
 
 UTC = dt.timezone.utc
@@ -205,7 +205,7 @@ def test_fetch_never_scans_rows_that_are_not_yet_due(db_url: str, plan_cache_mod
             "SELECT 't.due', now() - g * interval '1 minute', 'q' "
             "FROM generate_series(1, 5) g RETURNING id")}
         conn.execute("ANALYZE staged_jobs")
-        params = {"limit": 1000, "exclude": [], "paused": []}
+        params = fetch_params(1000)
         query = sql.query("fetch_batch")
         if plan_cache_mode == "custom":
             rows = conn.execute(query, params).fetchall()
@@ -217,13 +217,18 @@ def test_fetch_never_scans_rows_that_are_not_yet_due(db_url: str, plan_cache_mod
             # run often, and Postgres may switch it to a generic plan.
             conn.execute("SET plan_cache_mode = force_generic_plan")
             conn.execute(
-                "PREPARE drain_fetch(int, bigint[], text[]) AS "
-                + _positional(query, ["limit", "exclude", "paused"])
+                "PREPARE drain_fetch(int, bigint[], text[], int[], bigint[], int[], int[], "
+                "int, int) AS "
+                + _positional(query, ["limit", "exclude", "paused", "priorities", "marks",
+                                      "gap_above", "gap_below", "lanes", "lane"])
             )
-            rows = conn.execute("EXECUTE drain_fetch(1000, '{}', '{}')").fetchall()
+            rows = conn.execute(
+                "EXECUTE drain_fetch(1000, '{}', '{}', '{}', '{}', '{-32769}', '{32768}', 1, 0)"
+            ).fetchall()
             plan = conn.execute(
                 "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "
-                "EXECUTE drain_fetch(1000, '{-1}', '{other}')"
+                "EXECUTE drain_fetch(1000, '{-1}', '{other}', '{}', '{}', '{-32769}', '{32768}', "
+                "1, 0)"
             ).fetchone()
     assert {r[0] for r in rows} == wanted, "the fetch must return exactly the due rows"
     assert [r[6] for r in rows] == sorted((r[6] for r in rows), reverse=True)
@@ -483,14 +488,14 @@ def test_a_mass_expiry_is_moved_before_any_fetch_has_to_skip_it(
 
     def counting_fetch(
         self: Store, limit: int, exclude: list[int] | None = None,
-        paused: list[str] | None = None,
+        paused: list[str] | None = None, plan: keyset.FetchPlan | None = None,
     ) -> list[message.StagedRow]:
         row = self._require().execute(
             "SELECT count(*) FROM staged_jobs WHERE expires_at <= now() "
             "AND id <> ALL(%s::bigint[])", (exclude or [],)
         ).fetchone()
         skipped.append(row[0] if row else -1)
-        return fetch(self, limit, exclude, paused)
+        return fetch(self, limit, exclude, paused, plan)
 
     monkeypatch.setattr(Store, "fetch", counting_fetch)
     # No NOTIFY comes (everything was staged before the drain listened) and the

@@ -9,7 +9,7 @@ import psycopg
 
 from drain import sql
 from drain.config import Settings
-from drain.store import Store
+from drain.store import Store, fetch_params
 
 
 def test_session_settings_and_user_options(db_url: str) -> None:
@@ -56,7 +56,7 @@ def test_fetch_walks_the_index_on_a_table_the_planner_knows_nothing_about(db_url
         conn = store._require()
         rows = conn.execute(
             "EXPLAIN (ANALYZE, FORMAT JSON) " + sql.query("fetch_batch"),
-            {"limit": 1000, "exclude": list(range(1, 1001)), "paused": []},
+            fetch_params(1000, exclude=list(range(1, 1001))),
         ).fetchone()
         assert rows is not None
         explained: Any = rows[0]
@@ -77,3 +77,38 @@ def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
     for child in node.get("Plans", []):
         found += _nodes(child)
     return found
+
+
+def test_a_wait_takes_every_queued_notification_at_once(db_url: str) -> None:
+    """One NOTIFY per staging commit piles up in psycopg while the drain is busy;
+    a wait must take them all, or each would cost an empty cycle later (and the
+    queue would grow without bound under a steady load)."""
+    store = Store(Settings(database_url=db_url))
+    store.connect()
+    try:
+        with psycopg.connect(db_url, autocommit=True) as app:
+            for i in range(100):
+                app.execute("INSERT INTO staged_jobs (task_name, args) VALUES ('t', %s)",
+                            [json.dumps([i])])
+        # The notifications arrive while the drain runs a query of its own.
+        conn = store._require()
+        conn.execute("SELECT pg_sleep(0.2)")
+        assert store.wait(0.0) is True
+        assert store.wait(0.0) is False, "notifications were left queued"
+    finally:
+        store.close()
+
+
+def test_a_batch_forgets_the_notifications_of_rows_it_can_already_see(db_url: str) -> None:
+    store = Store(Settings(database_url=db_url))
+    store.connect()
+    try:
+        with psycopg.connect(db_url, autocommit=True) as app:
+            for _ in range(20):
+                app.execute("INSERT INTO staged_jobs (task_name) VALUES ('t')")
+        store._require().execute("SELECT pg_sleep(0.2)")
+        with store.batch():
+            assert len(store.fetch(100)) == 20
+        assert store.wait(0.0) is False
+    finally:
+        store.close()
