@@ -234,6 +234,8 @@ def drain_env(db_url: str, **extra: str) -> dict[str, str]:
         DRAIN_BROKER_URL=BROKER_URL,
         CELERY_APP_DATABASE_URL=db_url,
         PYTHONUNBUFFERED="1",
+        # Many drains run at once in the tests: metrics only where a test asks for them.
+        DRAIN_METRICS_PORT="0",
     )
     env.update(extra)
     return env

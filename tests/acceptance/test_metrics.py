@@ -1,0 +1,169 @@
+"""/metrics, /healthz, /readyz and /status.json of a real `drain run`."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import urllib.error
+import urllib.request
+from typing import Any
+
+import psycopg
+
+import drain
+from tests import support
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _metric(text: str, name: str, labels: str = "") -> float | None:
+    """One sample's value from the Prometheus text format (None: not there)."""
+    pattern = ("^" + re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else "")
+               + r" (\S+)$")
+    match = re.search(pattern, text, re.MULTILINE)
+    return float(match.group(1)) if match else None
+
+
+def _value(port: int, name: str, labels: str = "") -> float | None:
+    status, text = _get(port, "/metrics")
+    assert status == 200
+    return _metric(text, name, labels)
+
+
+def _start(spawn: Any, db_url: str, port: int, name: str, **env: str) -> support.Process:
+    proc: support.Process = spawn(
+        support.drain_argv("run", "--poll-interval", "0.2", "--metrics-port", str(port),
+                           "--metrics-interval", "0.3"),
+        support.drain_env(db_url, **env), name)
+    support.wait_for(lambda: _reachable(port), 30, f"{name}'s metrics port")
+    return proc
+
+
+def _reachable(port: int) -> bool:
+    try:
+        _get(port, "/healthz")
+    except OSError:
+        return False
+    return True
+
+
+def test_the_leader_counts_what_it_publishes_and_dead_letters(
+    db_url: str, queue: str, spawn: Any
+) -> None:
+    port = support.free_port()
+    _start(spawn, db_url, port, "leader")
+    support.wait_for(lambda: _value(port, "drain_lock_held") == 1, 30, "the lock")
+    support.stage_backlog(db_url, queue, 250)
+    with psycopg.connect(db_url) as conn:
+        for _ in range(3):
+            drain.stage(conn, "t.gone", [], queue=queue, countdown=3600, expires=0.3)
+    support.wait_for(lambda: _value(port, "drain_published_total") == 250, 30, "the counter")
+    support.wait_for(lambda: _value(port, "drain_expired_total") == 3, 30, "the expiries")
+    _, text = _get(port, "/metrics")
+    assert _metric(text, "drain_deleted_total") == 250
+    assert _metric(text, "drain_dead_lettered_total", 'reason="expired"') == 3
+    assert _metric(text, "drain_batch_rows_count") is not None
+    assert (_metric(text, "drain_batch_rows_sum") or 0) >= 250
+    for name in ("drain_cycle_seconds_count", "drain_fetch_seconds_count",
+                 "drain_publish_seconds_count", "drain_confirm_seconds_count"):
+        assert (_metric(text, name) or 0) > 0, name
+    assert (_metric(text, "drain_last_cycle_timestamp_seconds") or 0) > 0
+    assert (_metric(text, "drain_lock_held_seconds") or 0) > 0
+    assert _metric(text, "drain_up") == 1
+    # The sampler sees the dead jobs and the (now empty) backlog.
+    support.wait_for(
+        lambda: _value(port, "drain_dead_jobs_rows", 'reason="expired"') == 3
+        and _value(port, "drain_backlog_rows") == 0, 30, "a sample after the drain")
+    status, body = _get(port, "/healthz")
+    assert (status, body) == (200, "ok\n")
+    status, body = _get(port, "/readyz")
+    assert status == 200 and json.loads(body) == {"ready": True, "role": "leader",
+                                                   "state": "active"}
+
+
+def test_the_sampled_backlog_and_oldest_transaction_match_the_database(
+    db_url: str, queue: str, spawn: Any
+) -> None:
+    port = support.free_port()
+    with psycopg.connect(db_url) as conn:
+        # Delayed rows stay staged: a backlog that holds still.
+        for i in range(7):
+            drain.stage(conn, "t.later", [i], queue=queue, tag="report", countdown=3600)
+    with psycopg.connect(db_url) as idle:
+        idle.execute("SELECT 1")  # an open transaction, idle: what vacuum waits for
+        _start(spawn, db_url, port, "leader")
+        support.wait_for(lambda: _value(port, "drain_backlog_rows") == 7, 30, "the backlog")
+        support.wait_for(lambda: (_value(port, "drain_oldest_transaction_age_seconds") or 0) > 0,
+                         30, "the oldest transaction")
+        _, text = _get(port, "/metrics")
+        assert _metric(text, "drain_backlog_group_rows", f'queue="{queue}",tag="report"') == 7
+        assert _metric(text, "drain_backlog_estimated") == 0
+        assert (_metric(text, "drain_backlog_oldest_age_seconds") or 0) >= 0
+        assert _metric(text, "drain_staged_jobs_dead_tuples") is not None
+        status, body = _get(port, "/status.json")
+        assert status == 200
+        page: dict[str, Any] = json.loads(body)
+        assert page["role"] == "leader" and page["lanes"] == 1
+        assert page["status"]["backlog"] == 7
+        assert page["history"] and page["history"][-1]["backlog"] == 7
+        idle.rollback()
+
+
+def test_a_standby_is_ready_but_does_not_hold_the_lock(
+    db_url: str, spawn: Any
+) -> None:
+    first, second = support.free_port(), support.free_port()
+    leader = _start(spawn, db_url, first, "leader")
+    support.wait_for(lambda: _value(first, "drain_lock_held") == 1, 30, "the leader")
+    _start(spawn, db_url, second, "standby")
+    # The role reads "standby" from the start, before the database is connected: wait for both.
+    support.wait_for(lambda: _get(second, "/readyz")[0] == 200, 30, "the standby to be ready")
+    assert json.loads(_get(second, "/readyz")[1])["role"] == "standby"
+    assert _value(second, "drain_lock_held") == 0
+    assert _value(second, "drain_lock_held_seconds") == 0
+    leader.kill()
+    support.wait_for(lambda: _value(second, "drain_lock_held") == 1, 30, "the takeover")
+    assert json.loads(_get(second, "/readyz")[1])["role"] == "leader"
+
+
+def test_a_drain_that_cannot_reach_its_database_is_alive_but_not_ready(spawn: Any) -> None:
+    port = support.free_port()
+    unreachable = f"postgresql://drain@127.0.0.1:{support.free_port()}/nowhere"
+    _start(spawn, unreachable, port, "lonely")
+    support.wait_for(lambda: _get(port, "/readyz")[0] == 503, 30, "not ready")
+    assert json.loads(_get(port, "/readyz")[1])["ready"] is False
+    assert _get(port, "/healthz")[0] == 200
+
+
+def test_no_password_reaches_the_metrics_or_the_status(
+    db_url: str, spawn: Any
+) -> None:
+    port = support.free_port()
+    secret = "s3cr3t-Pa55"
+    # Trust authentication: the server ignores the password, the drain must still hide it.
+    with_password = db_url.replace("postgres@", f"postgres:{secret}@")
+    assert secret in with_password
+    _start(spawn, with_password, port, "leader")
+    support.wait_for(lambda: _get(port, "/status.json")[1].count('"backlog"') > 0, 30,
+                     "a sample")
+    for path in ("/metrics", "/status.json", "/readyz", "/"):
+        assert secret not in _get(port, path)[1], path
+
+
+def test_a_metrics_port_in_use_is_a_one_line_error(db_url: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = support.run_cli(db_url, "run", "--metrics-port", str(port), timeout=30)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("drain: error: cannot serve metrics on 127.0.0.1:")
+    assert "--metrics-port" in lines[-1]

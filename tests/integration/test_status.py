@@ -1,0 +1,96 @@
+"""store.status(): exact below the threshold, estimated above, and cheap at any size."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import psycopg
+
+import drain
+from drain import sql, store
+from tests import support
+
+
+def _stage_groups(db_url: str) -> None:
+    """3,000 jobs: 2,000 in queue a, 1,000 in queue b, every tenth of b delayed."""
+    with psycopg.connect(db_url) as conn:
+        drain.stage_many(conn, [drain.Job("t.a", [i], queue="a", tag="x") for i in range(2000)]
+                         + [drain.Job("t.b", [i], queue="b",
+                                      countdown=3600 if i % 10 == 0 else None)
+                            for i in range(1000)])
+
+
+def _live_rows_known(db_url: str, n: int) -> bool:
+    """The statistics have caught up with the commits (they are flushed within a second)."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        row = conn.execute("SELECT n_live_tup FROM pg_stat_user_tables "
+                           "WHERE relname = 'staged_jobs'").fetchone()
+        return row is not None and row[0] == n
+
+
+def test_exact_below_the_threshold(db_url: str) -> None:
+    _stage_groups(db_url)
+    with psycopg.connect(db_url) as conn:
+        status = store.status(conn, 1)
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert status["backlog"] == 3000 and status["delayed"] == 100
+    assert not status["backlog_estimated"] and status["sample"] is None
+    counts = {(g["queue"], g["task"]): (g["count"], g["delayed"]) for g in status["by_group"]}
+    assert counts == {("a", "t.a"): (2000, 0), ("b", "t.b"): (1000, 100)}
+    json.dumps(status)  # what `drain status --json` prints: plain JSON types only
+
+
+def test_estimated_above_the_threshold(db_url: str) -> None:
+    _stage_groups(db_url)
+    support.wait_for(lambda: _live_rows_known(db_url, 3000), 30, "n_live_tup = 3000")
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_relation_size('staged_jobs') / 8192").fetchone()
+        assert row is not None
+        pages = int(row[0])
+        status = store.status(conn, 1, estimate_above=1000, sample_pages=pages // 2)
+    assert status["backlog_estimated"] is True
+    assert status["backlog"] == 3000  # the statistics' estimate
+    assert status["sample"]["percent"] == round(100.0 * (pages // 2) / pages, 3)
+    # The sample is random; its groups are scaled to add up to the estimate.
+    total = sum(g["count"] for g in status["by_group"])
+    assert abs(total - 3000) <= len(status["by_group"])
+    assert {g["queue"] for g in status["by_group"]} <= {"a", "b"}
+    assert status["oldest_age_seconds"] is not None  # from the index heads: always there
+    # Below the threshold again: exact.
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        assert not store.status(conn, 1, estimate_above=3001)["backlog_estimated"]
+
+
+def _plan_nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    nodes = [plan]
+    for child in plan.get("Plans", []):
+        nodes += _plan_nodes(child)
+    return nodes
+
+
+def _explain(conn: psycopg.Connection[Any], name: str, params: Any = None) -> list[dict[str, Any]]:
+    row = conn.execute("EXPLAIN (FORMAT JSON) " + sql.query(name), params).fetchone()
+    assert row is not None
+    return _plan_nodes(row[0][0]["Plan"])
+
+
+def test_the_oldest_row_and_the_sample_do_not_scan_the_table(db_url: str) -> None:
+    """Index heads and a block sample: the status stays cheap on a million-row backlog."""
+    with psycopg.connect(db_url) as conn:
+        conn.execute(
+            "INSERT INTO staged_jobs (task_name, priority, not_before) "
+            "SELECT 't', g % 3, CASE WHEN g % 4 = 0 THEN now() + interval '1 day' END "
+            "FROM generate_series(1, 50000) g")
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("ANALYZE staged_jobs")
+        nodes = _explain(conn, "backlog_oldest")
+        scans = {(n["Node Type"], n.get("Index Name")) for n in nodes
+                 if n.get("Relation Name") == "staged_jobs"}
+        assert scans <= {("Index Scan", "staged_jobs_ready_idx"),
+                         ("Index Only Scan", "staged_jobs_delayed_idx"),
+                         ("Index Scan", "staged_jobs_delayed_idx")}, scans
+        assert ("Index Scan", "staged_jobs_ready_idx") in scans
+        nodes = _explain(conn, "backlog_groups_sample", {"percent": 1.0})
+        assert [n["Node Type"] for n in nodes if n.get("Relation Name") == "staged_jobs"] \
+            == ["Sample Scan"]
