@@ -227,4 +227,69 @@ else
         "DRAIN_SPARK_JDBC_JAR); the Spark JDBC tests will skip"
 fi
 
+# -- promtool (tests/unit/test_alerts.py): Debian's prometheus package ships it -----------
+# Optional: never fails this script. Without promtool those tests skip, saying why, where
+# it cannot be installed (no root or apt-get), and fail where it could. The package must
+# not leave a Prometheus server running: while apt installs it, a policy-rc.d answering
+# 101 (Debian's "action forbidden") keeps invoke-rc.d and deb-systemd-invoke from starting
+# the service, and afterwards nothing may answer on :9090 that did not answer before.
+prometheus_listening() { probe 127.0.0.1 9090 'GET /-/ready HTTP/1.0\r\n\r\n' 'H'; }
+
+install_promtool() {
+    local policy=/usr/sbin/policy-rc.d ours=0 was_listening=0 ok=0
+    if prometheus_listening; then
+        was_listening=1
+    fi
+    if [[ ! -e $policy ]]; then
+        trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+        printf '#!/bin/sh\n# drain ensure-services.sh: no service starts while apt runs\nexit 101\n' \
+            >"$policy"
+        chmod 755 "$policy"
+        ours=1
+    fi
+    apt_install prometheus || ok=1
+    if ((ours)); then
+        rm -f "$policy"
+        trap - EXIT
+    fi
+    if ((was_listening == 0)) && prometheus_listening; then
+        say "promtool: the prometheus package started a server on :9090; stopping it"
+        invoke-rc.d prometheus stop >/dev/null 2>&1 || service prometheus stop >/dev/null 2>&1 \
+            || systemctl stop prometheus >/dev/null 2>&1 || true
+    fi
+    return "$ok"
+}
+
+if command -v promtool >/dev/null; then
+    say "promtool: $(promtool --version 2>&1 | head -n 1)"
+elif can_apt_install; then
+    say "promtool: missing; installing Debian's prometheus package with apt-get"
+    if install_promtool && command -v promtool >/dev/null; then
+        say "promtool: installed $(promtool --version 2>&1 | head -n 1)"
+    else
+        say "promtool: apt-get install prometheus failed; tests/unit/test_alerts.py will fail"
+    fi
+else
+    say "promtool: MISSING (install Debian's prometheus package as root); the alert rule" \
+        "tests will skip"
+fi
+
+# -- chromium (tests/acceptance/test_status_page.py): Debian's chromium, run headless -------
+# Optional: never fails this script; without it the status page test skips, saying why (and
+# fails under CI=true where root could have installed it). Its fonts come with it
+# (fontconfig-config depends on fonts-dejavu-core or another font package).
+if command -v chromium >/dev/null; then
+    say "chromium: $(chromium --version 2>/dev/null | head -n 1)"
+elif can_apt_install; then
+    say "chromium: missing; installing Debian's chromium package with apt-get"
+    if apt_install chromium && command -v chromium >/dev/null; then
+        say "chromium: installed $(chromium --version 2>/dev/null | head -n 1)"
+    else
+        say "chromium: apt-get install chromium failed; the status page test will skip"
+    fi
+else
+    say "chromium: MISSING (install Debian's chromium package as root); the status page" \
+        "test will skip"
+fi
+
 exit "$status"

@@ -1,0 +1,136 @@
+"""What the deployment files are checked against: the drain's own CLI, metrics and files.
+
+Nothing here is a copy of a setting: the environment variables come from the
+parser of ``drain run`` (the ``env DRAIN_...`` its help names, each confirmed
+by setting it and parsing), the metric names from :class:`drain.metrics.Metrics`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import yaml
+
+from drain import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+KUBERNETES = DEPLOY / "kubernetes"
+GRAFANA_DASHBOARD = DEPLOY / "grafana" / "drain.json"
+SYSTEMD = DEPLOY / "systemd"
+PROMETHEUS = DEPLOY / "prometheus"
+
+_ENV_MENTION = re.compile(r"\benv (DRAIN_[A-Z0-9_]+)")
+
+
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    """The drain's parser, built without any DRAIN_* variable of this environment."""
+    return _build_parser({})
+
+
+def _build_parser(extra_env: Mapping[str, str]) -> argparse.ArgumentParser:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DRAIN_")}
+    with mock.patch.dict(os.environ, {**clean, **extra_env}, clear=True):
+        return cli.build_parser()
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            sub: argparse.ArgumentParser = action.choices[command]
+            return sub
+    raise AssertionError("drain's parser has no subcommands")
+
+
+def env_actions(command: str) -> dict[str, argparse.Action]:
+    """``{DRAIN_X: the option it sets}`` for every ``env DRAIN_X`` in ``drain COMMAND --help``."""
+    found: dict[str, argparse.Action] = {}
+    for action in _subparser(_parser(), command)._actions:
+        for name in _ENV_MENTION.findall(action.help or ""):
+            found[name] = action
+    assert found, f"`drain {command} --help` names no DRAIN_* variable"
+    return found
+
+
+def env_names(command: str = "run") -> set[str]:
+    return set(env_actions(command))
+
+
+def all_env_names() -> set[str]:
+    """Every DRAIN_* variable any drain command reads."""
+    names: set[str] = set()
+    for action in _parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                for option in sub._actions:
+                    names.update(_ENV_MENTION.findall(option.help or ""))
+    return names
+
+
+def parsed_with_env(command: str, env: Mapping[str, str]) -> argparse.Namespace:
+    """``drain COMMAND`` parsed with no flags, only the environment ``env``."""
+    return _build_parser(env).parse_args([command])
+
+
+def default(command: str, env_name: str) -> Any:
+    """The value of the option behind ``env_name`` when the variable is not set."""
+    action = env_actions(command)[env_name]
+    return getattr(parsed_with_env(command, {}), action.dest)
+
+
+def metrics_port(env: Mapping[str, Any]) -> int:
+    """The port `drain run` serves /metrics on, given its environment."""
+    value = env.get("DRAIN_METRICS_PORT")
+    return int(value) if value is not None else int(default("run", "DRAIN_METRICS_PORT"))
+
+
+def load_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def load_yaml_documents(path: Path) -> list[Any]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+#: DRAIN_* words the deployment files name that are not drain settings: the
+#: variables Kubernetes' service links would derive from a Service named "drain",
+#: and deploy/ensure-services.sh's own (the ports compose publishes Postgres and
+#: RabbitMQ on).
+NOT_SETTINGS = {"DRAIN_PORT", "DRAIN_SERVICE_HOST", "DRAIN_SERVICE_PORT",
+                "DRAIN_PG_PORT", "DRAIN_AMQP_PORT"}
+
+
+def drain_tokens(text: str) -> set[str]:
+    """Every DRAIN_* word in a text (comments included), less :data:`NOT_SETTINGS`."""
+    return set(re.findall(r"\bDRAIN_[A-Z0-9_]*[A-Z0-9]\b", text)) - NOT_SETTINGS
+
+
+def promtool() -> str | None:
+    return shutil.which("promtool")
+
+
+def run(argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, check=False, cwd=cwd or ROOT,
+                          stdin=subprocess.DEVNULL, timeout=120)
+
+
+def walk(value: Any) -> Iterator[Any]:
+    """Every node of a nested structure of dicts and lists."""
+    yield value
+    if isinstance(value, dict):
+        for item in value.values():
+            yield from walk(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from walk(item)
