@@ -30,6 +30,7 @@ import logging
 import os
 import select
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -61,6 +62,8 @@ SETTLE_TIMEOUT = 3.0
 HEADS_INTERVAL = 0.25
 #: Seconds between two looks for expired rows while none are found.
 EXPIRE_INTERVAL = 1.0
+#: Seconds between two looks of the watchdog at the loop (Drain._watch).
+WATCH_INTERVAL = 1.0
 
 
 class State(enum.Enum):
@@ -104,6 +107,9 @@ class Drain:
         self.metrics = Metrics()
         self.metrics.lanes.set(settings.lanes)
         self._heartbeat = time.monotonic()
+        #: The loop counts as stuck after this long without a turn: longer than any
+        #: healthy wait (the confirm timeout, Postgres's 30 s statement timeout).
+        self._stuck_after = settings.confirm_timeout + 30.0
         self._heads_at = 0.0
         self._expired_at = 0.0
         self._marks = keyset.Marks(enabled=settings.fetch_strategy == "keyset",
@@ -157,9 +163,8 @@ class Drain:
 
     def health(self) -> dict[str, object]:
         """For /healthz and /readyz: alive (the loop went round lately), ready, role, state."""
-        stalled_after = self.settings.confirm_timeout + 30.0
         return {
-            "alive": time.monotonic() - self._heartbeat < stalled_after,
+            "alive": time.monotonic() - self._heartbeat < self._stuck_after,
             "ready": self._store.connected,
             "role": "leader" if self._store.holds_lock else "standby",
             "state": self.state.value,
@@ -168,6 +173,10 @@ class Drain:
     def run(self) -> None:
         log.info("drain starting: %s", self.settings.describe())
         self.metrics.up.set(1)
+        done = threading.Event()
+        watchdog = threading.Thread(target=self._watch, args=(done,), name="drain-watchdog",
+                                    daemon=True)
+        watchdog.start()
         try:
             while not self._stopping or self._inflight is not None:
                 self._heartbeat = time.monotonic()
@@ -186,6 +195,7 @@ class Drain:
                     continue
                 self._step()
         finally:
+            done.set()
             self.metrics.up.set(0)
             self.metrics.holding_lock(False)
             self._set_state(State.STOPPING, "drain stopping (published %d this run)",
@@ -194,6 +204,30 @@ class Drain:
             self._store.close()
             os.close(self._wake_r)
             os.close(self._wake_w)
+
+    def _watch(self, done: threading.Event) -> None:
+        """Say when the loop stops turning, and when it turns again.
+
+        Every wait of the loop has a bound except one: a Postgres (or a pooler in
+        front of it) that keeps the connection open and never answers. Postgres's
+        own timeouts cannot help when the command never reached it, and TCP
+        keepalives pass while the other end is up. The loop then blocks, still
+        holding the lock; this says so in the log (and /healthz fails, and
+        DrainStalled pages) until the answer comes or the process is restarted.
+        """
+        stuck_since: float | None = None
+        while not done.wait(WATCH_INTERVAL):
+            beat = self._heartbeat
+            if stuck_since is None and time.monotonic() - beat >= self._stuck_after:
+                stuck_since = beat
+                what = ("Postgres has not answered a command"
+                        if self._store.waiting else "a call has not returned")
+                log.error("the drain loop has not turned for %.0fs (%s, state %s); "
+                          "nothing is published until it does", time.monotonic() - beat,
+                          what, self.state.value)
+            elif stuck_since is not None and beat != stuck_since:
+                log.warning("the drain loop turns again after %.0fs", beat - stuck_since)
+                stuck_since = None
 
     # -- states ---------------------------------------------------------------------
 

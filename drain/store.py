@@ -24,6 +24,7 @@ import psycopg
 import psycopg.errors
 from psycopg import conninfo
 from psycopg import sql as psql
+from psycopg.pq import TransactionStatus
 
 from drain import keyset, sql
 from drain.config import Settings, mask_database_url, scrub
@@ -91,6 +92,14 @@ class Store:
     @property
     def connected(self) -> bool:
         return self._conn is not None and not self._conn.closed
+
+    @property
+    def waiting(self) -> bool:
+        """A command was sent and its answer has not come yet. Read by the loop's
+        watchdog thread: it only looks at libpq's connection status."""
+        conn = self._conn
+        return (conn is not None and not conn.closed
+                and conn.info.transaction_status == TransactionStatus.ACTIVE)
 
     def connect(self) -> None:
         """Connect, check the schema, LISTEN. Raises DatabaseUnavailable / SchemaMissing."""
