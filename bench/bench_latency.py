@@ -50,9 +50,6 @@ CLOCK_REALTIME, read in different processes):
 Every committed job must be confirmed (probe), delivered (consumer) and gone
 from ``staged_jobs`` at the end; ``lost`` counts the jobs that were not.
 
-``--try notify,flush,settle,expire`` applies changes proposed for drain/
-inside the probe process only (monkeypatched; see EXPERIMENTS), to measure
-their effect against the same bench; results then go to ``latency_try.json``.
 ``--wait-quiet SECONDS`` waits for other work on the machine to stop first.
 
 Caveats: two shared cores run the stagers, the drain, Postgres, RabbitMQ and
@@ -99,7 +96,7 @@ TASK_NAME = "bench.latency"
 StagedRecord = tuple[str, int, float, float, float]
 
 
-# -- inside the drain subprocess: the probe and the experiments ----------------------
+# -- inside the drain subprocess: the probe -------------------------------------------
 
 
 def drain_probe(argv: list[str]) -> int:
@@ -188,7 +185,6 @@ def drain_probe(argv: list[str]) -> int:
     Store.batch = batch  # type: ignore[method-assign]
     Store.delete = delete  # type: ignore[method-assign]
     Store.wait = idle  # type: ignore[method-assign]
-    apply_experiments(os.environ.get("BENCH_LATENCY_PATCH", ""))
 
     def dump() -> None:
         data = dict(rec)
@@ -199,81 +195,6 @@ def drain_probe(argv: list[str]) -> int:
 
     atexit.register(dump)
     return int(cli.main(argv))
-
-
-#: ``--try`` experiments: changes proposed for drain/, applied by monkeypatching
-#: inside the probe process only, to measure their effect. Never the default.
-EXPERIMENTS = {
-    "notify": "Store._notified consumes every pending NOTIFY, not just one",
-    "flush": "turn pika's I/O loop once right after Publisher.start, so that the batch "
-             "is on the wire before the transaction commits",
-    "settle": "after a cycle that published a partial batch (no backlog), wait for "
-              "its confirms before opening the next transaction",
-    "expire": "run the expire statement at most once a second while it finds nothing "
-              "(the fetch already leaves expired rows out): one round trip less per cycle",
-}
-
-
-def apply_experiments(spec: str) -> None:
-    from drain.publisher import Publisher
-    from drain.runner import Drain
-    from drain.store import Store
-
-    names = {x.strip() for x in spec.split(",") if x.strip()}
-    unknown = names - set(EXPERIMENTS)
-    if unknown:
-        raise SystemExit(f"unknown experiment(s) {sorted(unknown)}; known: {sorted(EXPERIMENTS)}")
-    if "notify" in names:
-        import psycopg
-
-        def notified(self: Any, conn: Any) -> bool:
-            got = False
-            try:
-                for _ in conn.notifies(timeout=0):
-                    got = True
-            except psycopg.Error as exc:
-                self.close()
-                raise self._unavailable("lost", exc) from None
-            return got
-
-        Store._notified = notified  # type: ignore[method-assign]
-    if "flush" in names:
-        start_before = Publisher.start
-
-        def start(self: Any, *args: Any, **kwargs: Any) -> Any:
-            batch = start_before(self, *args, **kwargs)
-            if self._conn is not None and self._failure is None:
-                # One non-blocking turn: the writer callback sends the buffered frames.
-                self._run_until(lambda: self._failure is not None, 0.0, run_once=True)
-            return batch
-
-        Publisher.start = start  # type: ignore[method-assign]
-    if "settle" in names:
-        cycle_before = Drain._cycle
-
-        def cycle(self: Any) -> int:
-            previous = self._inflight
-            if previous is not None and len(previous.status) < self.settings.batch_size:
-                publisher = self._publisher
-                n = len(previous.status)
-                publisher._run_until(
-                    lambda: previous.resolved >= n or publisher._failure is not None,
-                    self.settings.confirm_timeout)
-            return int(cycle_before(self))
-
-        Drain._cycle = cycle  # type: ignore[method-assign]
-    if "expire" in names:
-        expire_before = Store.expire
-        quiet_until = [0.0]
-
-        def expire(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if time.monotonic() < quiet_until[0]:
-                return 0
-            moved = expire_before(self, *args, **kwargs)
-            quiet_until[0] = 0.0 if moved else time.monotonic() + 1.0
-            return moved
-
-        Store.expire = expire  # type: ignore[method-assign]
 
 
 # -- the consumer and the stagers (child processes) ------------------------------------
@@ -760,7 +681,6 @@ def run(args: argparse.Namespace, rates: list[float]) -> Outcome:
     else:
         cmd = [sys.executable, os.path.abspath(__file__), "--drain-probe", *drain_argv]
     env = {**os.environ, "BENCH_LATENCY_PROBE": probe_path,
-           "BENCH_LATENCY_PATCH": args.experiments,
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     ctx = mp.get_context("fork")
     stop = ctx.Event()
@@ -867,15 +787,14 @@ def report(r: dict[str, Any], left_staged: int) -> None:
           f"run {left_staged}); duplicate deliveries {r.get('duplicates_delivered', 'n/a')}")
 
 
-def summary_row(r: dict[str, Any], experiments: str) -> dict[str, Any] | None:
+def summary_row(r: dict[str, Any]) -> dict[str, Any] | None:
     key = "commit_to_confirm_ms" if "commit_to_confirm_ms" in r else "commit_to_delivery_ms"
     d = r.get(key, {})
     if not d.get("count"):
         return None
     what = "confirm" if "confirm" in key else "consumer delivery"
     return {
-        "target": f"latency @ {r['rate_offered']:g}/s (commit -> {what})"
-                  + (f" [--try {experiments}]" if experiments else ""),
+        "target": f"latency @ {r['rate_offered']:g}/s (commit -> {what})",
         "goal": f"p50 <= {P50_GOAL_MS:g} ms, p99 <= {P99_GOAL_MS:g} ms, lost 0",
         "measured": (f"p50 {d['p50']:.1f} ms, p99 {d['p99']:.1f} ms, max {d['max']:.0f} ms "
                      f"({d['count']} jobs at {r['rate_achieved']:.0f}/s, lost {r['lost']}, "
@@ -909,19 +828,13 @@ def main() -> int:
                         default=float(os.environ.get("BENCH_WAIT_QUIET", "0")),
                         help="before each rate, wait up to this many seconds for the machine "
                              f"to be under {100 * QUIET_BUSY:.0f}%% busy (default 0: no wait)")
-    parser.add_argument("--try", dest="experiments", default="",
-                        help="comma-separated changes to try in the drain, by monkeypatching "
-                             "it in the probe process: " + "; ".join(
-                                 f"{k}: {v}" for k, v in EXPERIMENTS.items()))
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep the drain's log and the probe's records (a temp directory)")
     parser.add_argument("--output", default=None,
-                        help="default bench/results/latency.json (latency_try.json with --try)")
+                        help="default bench/results/latency.json")
     args = parser.parse_args()
-    if args.experiments and args.plain:
-        parser.error("--try needs the probe (not --plain)")
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
-    name = "latency_try" if args.experiments else "latency"
+    name = "latency"
     output = args.output or os.path.join(HERE, "results", f"{name}.json")
 
     outcome = run(args, rates)
@@ -929,8 +842,7 @@ def main() -> int:
     print(f"\nlatency: single-row staging transactions, {os.cpu_count()} cores, loopback "
           "Postgres and RabbitMQ, persistent messages, durable classic queue"
           + (", no consumer" if args.no_consumer else "")
-          + (f", drain args {args.drain_args}" if args.drain_args else "")
-          + (f", EXPERIMENTAL drain changes: {args.experiments}" if args.experiments else ""))
+          + (f", drain args {args.drain_args}" if args.drain_args else ""))
     results, summary = [], []
     for phase in outcome.phases:
         r = analyse(phase, outcome.delivered, timelines)
@@ -938,7 +850,7 @@ def main() -> int:
             start = phase.schedule.t0 + phase.warmup
             r["drain_loop"] = probe_loop(outcome.probe, start, start + phase.duration)
         report(r, outcome.left_staged)
-        row = summary_row(r, args.experiments)
+        row = summary_row(r)
         if row is not None:
             summary.append(row)
         results.append(r)
@@ -950,7 +862,7 @@ def main() -> int:
             "details": {
                 "config": {"rates": rates, "duration": args.duration, "warmup": args.warmup,
                            "plain": args.plain, "consumer": not args.no_consumer,
-                           "drain_args": args.drain_args, "experiments": args.experiments,
+                           "drain_args": args.drain_args,
                            "cores": os.cpu_count()},
                 "rates": results,
                 "left_staged_at_end": outcome.left_staged,
