@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import re
 import socket
-import urllib.error
-import urllib.request
 from typing import Any
 
 import psycopg
@@ -14,13 +12,7 @@ import psycopg
 import drain
 from tests import support
 
-
-def _get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
+_get = support.http_get
 
 
 def _metric(text: str, name: str, labels: str = "") -> float | None:
