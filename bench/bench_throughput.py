@@ -200,6 +200,9 @@ ENTRY_FILE = re.compile(r"^<frozen runpy>$|(^|/)drain/(__main__|cli)\.py$")
 BROKER_WAIT = re.compile(r"^\w*Poller\.poll \(pika/")
 POSTGRES_WAIT = re.compile(r"^(Connection\.wait \(psycopg/|wait\w* \(psycopg/waiting)")
 NO_STACK = "(no Python stack)"
+#: The root frame of every thread but the main one (the sampler, the HTTP server,
+#: the watchdog): their idle waits are not the drain loop's.
+THREAD_ROOT = re.compile(r"^(Thread\.)?_bootstrap \(.*threading\.py")
 IMPORTS = "(start-up: imports)"
 
 
@@ -251,7 +254,7 @@ def _activity(frames: list[Frame], deepest_drain: Frame | None) -> str:
 
 
 def where_the_time_goes(stacks: list[tuple[list[str], int]], top: int) -> dict[str, Any]:
-    """Where the samples fall, four ways.
+    """Where the main thread's samples fall, four ways (other threads' are only counted).
 
     * by activity: waiting on the broker or Postgres versus CPU, by kind of work;
     * by drain function: the deepest frame in the drain package (its own code plus the
@@ -264,8 +267,11 @@ def where_the_time_goes(stacks: list[tuple[list[str], int]], top: int) -> dict[s
     by_drain: collections.Counter[str] = collections.Counter()
     own: collections.Counter[str] = collections.Counter()
     cumulative: collections.Counter[str] = collections.Counter()
-    total = 0
+    total = other_threads = 0
     for texts, count in stacks:
+        if texts and THREAD_ROOT.match(texts[0]):
+            other_threads += count
+            continue
         total += count
         frames = [_frame(t) for t in texts]
         if not frames:
@@ -287,7 +293,8 @@ def where_the_time_goes(stacks: list[tuple[list[str], int]], top: int) -> dict[s
         return [{"function": name, "samples": c, "percent": round(100 * c / max(total, 1), 1)}
                 for name, c in counter.most_common(n)]
 
-    return {"samples": total, "by_activity": rows(activity, len(activity)),
+    return {"samples": total, "other_thread_samples": other_threads,
+            "by_activity": rows(activity, len(activity)),
             "by_drain_function": rows(by_drain, top), "own": rows(own, top),
             "cumulative": rows(cumulative, top)}
 
@@ -343,7 +350,8 @@ def profile_drain(url: str, n: int, queue: str, *, batch_size: int, rate: int,
 def print_profile(profile: dict[str, Any]) -> None:
     print(f"\nwhere the time goes: {profile['jobs']} jobs drained by `python -m drain run` "
           f"in {profile['seconds']} s ({profile['msg_per_s']} msg/s with process start-up and "
-          f"sampling), {profile['samples']} samples, {profile['tool']}; "
+          f"sampling), {profile['samples']} samples of the main thread (the drain loop; "
+          f"{profile['other_thread_samples']} of other threads left out), {profile['tool']}; "
           f"stacks in {profile['collapsed_stacks']}")
     for key, title in (("by_activity", "by activity"),
                        ("by_drain_function", "by drain function (with the library calls it makes)"),
