@@ -8,9 +8,6 @@ SELECT to_regclass('staged_jobs') IS NOT NULL;
 -- name: try_lock
 SELECT pg_try_advisory_lock(%(key)s);
 
--- name: unlock
-SELECT pg_advisory_unlock(%(key)s);
-
 -- name: try_lane_lock
 -- Lane K of N: its own lock, (class, K) in the two-int keyspace.
 SELECT pg_try_advisory_lock(%(class)s::int, %(lane)s::int);
