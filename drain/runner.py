@@ -66,6 +66,16 @@ EXPIRE_INTERVAL = 1.0
 WATCH_INTERVAL = 1.0
 
 
+def stuck_after(settings: Settings) -> float:
+    """Seconds without a turn of the loop after which it counts as stuck (/healthz,
+    the watchdog): the longest single wait it is configured for (a confirm wait,
+    the idle poll, the standby interval or a retry's backoff), plus 30 s, the
+    statement timeout the drain's session sets."""
+    longest = max(settings.confirm_timeout, settings.poll_interval,
+                  settings.standby_interval, settings.max_backoff)
+    return longest + 30.0
+
+
 class State(enum.Enum):
     STARTING = "starting"
     DB_DOWN = "database down"
@@ -107,9 +117,7 @@ class Drain:
         self.metrics = Metrics()
         self.metrics.lanes.set(settings.lanes)
         self._heartbeat = time.monotonic()
-        #: The loop counts as stuck after this long without a turn: longer than any
-        #: healthy wait (the confirm timeout, Postgres's 30 s statement timeout).
-        self._stuck_after = settings.confirm_timeout + 30.0
+        self.stuck_after = stuck_after(settings)
         self._heads_at = 0.0
         self._expired_at = 0.0
         self._marks = keyset.Marks(enabled=settings.fetch_strategy == "keyset",
@@ -164,7 +172,7 @@ class Drain:
     def health(self) -> dict[str, object]:
         """For /healthz and /readyz: alive (the loop went round lately), ready, role, state."""
         return {
-            "alive": time.monotonic() - self._heartbeat < self._stuck_after,
+            "alive": time.monotonic() - self._heartbeat < self.stuck_after,
             "ready": self._store.connected,
             "role": "leader" if self._store.holds_lock else "standby",
             "state": self.state.value,
@@ -218,7 +226,7 @@ class Drain:
         stuck_since: float | None = None
         while not done.wait(WATCH_INTERVAL):
             beat = self._heartbeat
-            if stuck_since is None and time.monotonic() - beat >= self._stuck_after:
+            if stuck_since is None and time.monotonic() - beat >= self.stuck_after:
                 stuck_since = beat
                 what = ("Postgres has not answered a command"
                         if self._store.waiting else "a call has not returned")

@@ -148,7 +148,8 @@ def test_a_drain_whose_database_hangs_is_reported_dead_and_recovers_losing_nothi
         port = support.free_port()
         proxied = db_url.replace("@127.0.0.1:5432/", f"@127.0.0.1:{proxy.port}/")
         assert proxied != db_url
-        # --confirm-timeout 1: the loop counts as stalled after 1 + 30 s without a turn.
+        # --confirm-timeout 1: the loop counts as stuck after 40 s without a turn (its
+        # longest wait is then the 10 s retry backoff; drain.runner.stuck_after).
         leader = _start(spawn, proxied, port, "leader", "--confirm-timeout", "1")
         support.wait_for(lambda: _value(port, "drain_lock_held") == 1, 30, "the lock")
         before = support.stage_backlog(db_url, queue, 200)

@@ -1,0 +1,25 @@
+"""drain.runner.stuck_after: when /healthz and the watchdog call the loop stuck."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from drain.config import Settings
+from drain.runner import stuck_after
+
+BASE = Settings(database_url="postgresql://drain@127.0.0.1/drain")
+
+
+def test_by_default_a_confirm_wait_and_the_statement_timeout() -> None:
+    assert stuck_after(BASE) == BASE.confirm_timeout + 30
+
+
+@pytest.mark.parametrize("field", ["poll_interval", "standby_interval", "max_backoff",
+                                   "confirm_timeout"])
+def test_a_long_configured_wait_is_not_a_stuck_loop(field: str) -> None:
+    # A drain polling every 2 minutes waits that long between turns when idle: a
+    # liveness probe must not restart it for that.
+    settings = dataclasses.replace(BASE, **{field: 120.0})  # type: ignore[arg-type]
+    assert stuck_after(settings) == 150
