@@ -141,8 +141,8 @@ def test_a_drain_whose_database_hangs_is_reported_dead_and_recovers_losing_nothi
     """Postgres accepts the connection but never answers (the proxy holds every byte):
     the leader keeps the lock and blocks, so /healthz and the log must say so (a
     liveness probe restarts on the first) and the last cycle stops (what DrainStalled
-    pages on). When
-    Postgres answers again the drain goes on, and jobs staged meanwhile are delivered."""
+    pages on). When Postgres answers again the drain goes on, and the jobs staged
+    meanwhile are delivered."""
     proxy = support.TcpProxy(5432).start()
     try:
         port = support.free_port()
