@@ -132,7 +132,10 @@ class Marks:
         return dict(self._marks)
 
     def plan(self, now: float) -> FetchPlan:
-        """The parameters for the next fetch; starts the periodic rescan when due."""
+        """The parameters for the next fetch; starts the periodic rescan when due.
+        Disabled marks plan every fetch from the head (:data:`FROM_HEAD`)."""
+        if not self.enabled:
+            return FROM_HEAD
         if self._reset_at is None:
             self._reset_at = now
         elif now - self._reset_at >= self.rescan_interval:

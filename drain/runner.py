@@ -393,16 +393,16 @@ class Drain:
     def _fetch(self, limit: int, exclude: list[int]) -> list[StagedRow]:
         """Fetch the next batch and move the low-water marks (drain.keyset)."""
         started = time.perf_counter()
-        marks = self._marks
-        plan = marks.plan(time.monotonic()) if marks.enabled else None
-        rows = self._store.fetch(limit, exclude, self._paused_queues(), plan)
-        if marks.enabled:
-            now = time.monotonic()
-            marks.fetched([(row.priority, row.id) for row in rows if row.ready], now)
+        marks = self._marks  # with --fetch-strategy head they plan from the head, keep none
+        rows = self._store.fetch(limit, exclude, self._paused_queues(),
+                                 marks.plan(time.monotonic()))
+        now = time.monotonic()
+        marks.fetched([(row.priority, row.id) for row in rows if row.ready], now)
+        # The rescan rule needs a look at the heads now and then, not per batch:
+        # spare the round trip on most fetches.
+        if now - self._heads_at >= HEADS_INTERVAL:
             current = marks.current()
-            # The rescan rule needs a look at the heads now and then, not per batch:
-            # spare the round trip on most fetches.
-            if current.priorities and now - self._heads_at >= HEADS_INTERVAL:
+            if current.priorities:
                 self._heads_at = now
                 heads, xmin, xmax = self._store.heads(current)
                 marks.observe(heads, xmin, xmax, now)
