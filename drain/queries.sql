@@ -235,6 +235,19 @@ WHERE l.locktype = 'advisory'
   AND l.objid = (%(low)s::bigint & 4294967295)::bigint::oid
   AND l.objsubid = %(form)s;
 
+-- name: lane_holders
+-- Who holds which lane of a lock key split in N lanes: the (class, lane)
+-- locks of lock_holder's two-int4 form, every lane at once.
+SELECT l.objid::text::int, a.pid, a.application_name, host(a.client_addr), a.backend_start
+FROM pg_locks l
+JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory'
+  AND l.granted
+  AND l.mode = 'ExclusiveLock'
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.classid = (%(class)s::bigint & 4294967295)::bigint::oid
+  AND l.objsubid = 2;
+
 -- name: lanes_in_use
 -- The lane counts drains of a lock key run with: each holds (guard, N) shared.
 SELECT DISTINCT l.objid::text::int

@@ -448,9 +448,10 @@ def status(
             for (count,) in conn.execute(sql.query("lanes_in_use"),
                                          {"guard": lane_guard(lock_key)}).fetchall():
                 if isinstance(count, int) and count > 1:
-                    cls = lane_class(lock_key, count)
+                    held = {row[0]: _holder_fields(row[1:]) for row in _rows(
+                        conn, "lane_holders", {"class": lane_class(lock_key, count)})}
                     lanes[str(count)] = [
-                        {"lane": lane, **_holder(conn, cls, lane, form=2)}
+                        {"lane": lane, **held.get(lane, {"held": False})}
                         for lane in range(count)
                     ]
     except psycopg.errors.UndefinedTable:
@@ -550,14 +551,17 @@ def _holder(conn: psycopg.Connection[tuple[object, ...]], high: int, low: int, *
     """The holder of one advisory lock: ``{"held": False}`` or its pid, host and since."""
     holder = conn.execute(sql.query("lock_holder"),
                           {"high": high, "low": low, "form": form}).fetchone()
-    if holder is None:
-        return {"held": False}
-    pid, app_name, client_addr, _backend_start = holder
+    return {"held": False} if holder is None else _holder_fields(holder)
+
+
+def _holder_fields(row: tuple[Any, ...]) -> dict[str, Any]:
+    """A lock holder's pid, host and since, from its application_name."""
+    pid, app_name, client_addr, _backend_start = row
     fields = dict(part.split("=", 1) for part in str(app_name or "").split() if "=" in part)
     since = fields.get("since")
     return {
         "held": True,
-        "pid": int(fields.get("pid", pid)),  # type: ignore[call-overload]
+        "pid": int(fields.get("pid", pid)),
         "host": fields.get("host"),
         "since": dt.datetime.fromtimestamp(int(since), dt.timezone.utc).isoformat()
         if since and since.isdigit()

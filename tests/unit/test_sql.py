@@ -23,7 +23,7 @@ def test_parse_errors(text: str, message: str) -> None:
 
 def test_query_names() -> None:
     assert set(sql.queries()) == {
-        "schema_present", "try_lock", "try_lane_lock", "join_lanes", "listen",
+        "schema_present", "try_lock", "try_lane_lock", "join_lanes", "listen", "lane_holders",
         "fetch_batch", "fetch_heads", "delete_confirmed", "backlog_estimate",
         "backlog_groups_sample", "backlog_oldest", "oldest_transaction", "lock_holder",
         "lanes_in_use", "set_application_name", "backlog_groups", "dead_by_reason",
