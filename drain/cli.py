@@ -194,7 +194,7 @@ def _add_run_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--metrics-interval",
-        type=_interval,
+        type=float,
         default=float(_env("DRAIN_METRICS_INTERVAL", "15") or 15),
         metavar="SECONDS",
         help="read the backlog, dead jobs and the oldest transaction from the database this "

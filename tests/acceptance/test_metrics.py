@@ -203,11 +203,3 @@ def test_a_metrics_port_in_use_is_a_one_line_error(db_url: str) -> None:
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("drain: error: cannot serve metrics on 127.0.0.1:")
     assert "--metrics-port" in lines[-1]
-
-
-def test_a_metrics_interval_that_is_not_positive_is_a_one_line_error(db_url: str) -> None:
-    result = support.run_cli(db_url, "run", "--metrics-port", str(support.free_port()),
-                             "--metrics-interval", "0", timeout=30)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].endswith(
-        "argument --metrics-interval: not a positive number of seconds: '0'")
