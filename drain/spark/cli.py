@@ -432,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             core.log.exception("drain %s failed", args.command)
         text = str(exc) if isinstance(exc, DrainError) else f"{type(exc).__name__}: {exc}"
         text = text.strip().splitlines()[0] if text.strip() else text
-        from drain import config  # noqa: PLC0415
+        from drain import urls  # noqa: PLC0415
 
-        print(f"drain: error: {config.scrub(text, core._secrets(args))}", file=sys.stderr)
+        print(f"drain: error: {urls.scrub(text, core._secrets(args))}", file=sys.stderr)
         return int(code)

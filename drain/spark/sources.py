@@ -19,10 +19,10 @@ import psycopg
 from psycopg import conninfo
 from psycopg import sql as psql
 
-from drain.config import mask_database_url, scrub
 from drain.errors import ConfigError, DatabaseUnavailable
 from drain.spark.session import JDBC_DRIVER
-from drain.store import first_line
+from drain.url_parts import first_line
+from drain.urls import mask_database_url, scrub
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import psycopg
 
-from drain.config import mask_database_url
 from drain.errors import ConfigError, DatabaseUnavailable, DrainError, SchemaMissing
 from drain.spark.mapping import COPY_COLUMNS
-from drain.store import first_line
+from drain.url_parts import first_line
+from drain.urls import mask_database_url
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
