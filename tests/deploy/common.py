@@ -20,7 +20,7 @@ from unittest import mock
 
 import yaml
 
-from drain import cli
+from drain import cli, options
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -39,9 +39,14 @@ def _parser() -> argparse.ArgumentParser:
     return _build_parser({})
 
 
-def _build_parser(extra_env: Mapping[str, str]) -> argparse.ArgumentParser:
+def _only_env(extra_env: Mapping[str, str]) -> Any:
+    """This process's environment without its DRAIN_* variables, plus ``extra_env``."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("DRAIN_")}
-    with mock.patch.dict(os.environ, {**clean, **extra_env}, clear=True):
+    return mock.patch.dict(os.environ, {**clean, **extra_env}, clear=True)
+
+
+def _build_parser(extra_env: Mapping[str, str]) -> argparse.ArgumentParser:
+    with _only_env(extra_env):
         return cli.build_parser()
 
 
@@ -79,8 +84,12 @@ def all_env_names() -> set[str]:
 
 
 def parsed_with_env(command: str, env: Mapping[str, str]) -> argparse.Namespace:
-    """``drain COMMAND`` parsed with no flags, only the environment ``env``."""
-    return _build_parser(env).parse_args([command])
+    """``drain COMMAND`` parsed with no flags, only the environment ``env``, as
+    ``drain.cli.main`` does it (numeric variables are read after parsing)."""
+    with _only_env(env):
+        args = cli.build_parser().parse_args([command])
+        options.apply_env(args)
+    return args
 
 
 def default(command: str, env_name: str) -> Any:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from drain import runner
+from drain import options, runner
 from tests.deploy import common
 
 UNITS = ("drain.service", "drain@.service")
@@ -127,7 +127,7 @@ def test_every_variable_the_help_names_is_really_read() -> None:
             before = getattr(common.parsed_with_env(command, {}), action.dest)
             if action.choices:
                 probe = next(str(c) for c in action.choices if c != before)
-            elif action.type in (int, float):
+            elif action.type in (int, float) or isinstance(action.type, options.Number):
                 probe = "7"
             else:
                 probe = "probe-value"
