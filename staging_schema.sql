@@ -70,7 +70,15 @@ ALTER TABLE staged_jobs
     ADD COLUMN IF NOT EXISTS not_before timestamptz,
     -- Never published at or after this time: moved to dead_jobs ('expired').
     -- The message carries Celery's `expires` too.
-    ADD COLUMN IF NOT EXISTS expires_at timestamptz;
+    ADD COLUMN IF NOT EXISTS expires_at timestamptz,
+    -- The transaction that staged (or last updated) the row: always that
+    -- transaction's own id, whatever a statement gives (the trigger below sees
+    -- to it). Ready rows are fetched in (priority, xact, id) order, and the
+    -- drain's low-water marks rest on it (drain/keyset.py): a row that is not
+    -- visible yet belongs to a transaction still running, so its xact is at
+    -- least the oldest running transaction id. Ids carry no such promise (a
+    -- sequence can be reset, cached per session, or bypassed).
+    ADD COLUMN IF NOT EXISTS xact xid8 NOT NULL DEFAULT pg_current_xact_id();
 
 DO $$
 BEGIN
@@ -83,23 +91,72 @@ BEGIN
 END
 $$;
 
+-- xact is the staging transaction's id, and only that: a value given by an
+-- INSERT (a copy of another table's rows, a restore) or kept by an UPDATE
+-- (which makes a row new to the drain: another queue, no delay any more) is
+-- replaced. The WHEN clause keeps the ordinary INSERT, which takes the
+-- default, out of PL/pgSQL.
+CREATE OR REPLACE FUNCTION staged_jobs_xact() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.xact := pg_current_xact_id();
+    RETURN NEW;
+END
+$$;
+
+CREATE OR REPLACE TRIGGER staged_jobs_xact
+    BEFORE INSERT OR UPDATE ON staged_jobs
+    FOR EACH ROW WHEN (NEW.xact IS DISTINCT FROM pg_current_xact_id())
+    EXECUTE FUNCTION staged_jobs_xact();
+
 -- The drain's fetch reads ready rows through the first index in priority
--- order, and due delayed rows through the second, by due time: rows that are
--- not yet due are never scanned. The third finds expired rows.
+-- order, then by staging transaction, and due delayed rows through the
+-- second, by due time: rows that are not yet due are never scanned. The
+-- third finds expired rows. (A schema from before xact had the first index on
+-- (priority DESC, id): it is rebuilt.)
+DO $$
+BEGIN
+    IF to_regclass('staged_jobs_ready_idx') IS NOT NULL
+       AND pg_get_indexdef(to_regclass('staged_jobs_ready_idx')) NOT LIKE '%xact%' THEN
+        DROP INDEX staged_jobs_ready_idx;
+    END IF;
+END
+$$;
 CREATE INDEX IF NOT EXISTS staged_jobs_ready_idx
-    ON staged_jobs (priority DESC, id) WHERE not_before IS NULL;
+    ON staged_jobs (priority DESC, xact, id) WHERE not_before IS NULL;
 CREATE INDEX IF NOT EXISTS staged_jobs_delayed_idx
     ON staged_jobs (not_before, id) WHERE not_before IS NOT NULL;
 CREATE INDEX IF NOT EXISTS staged_jobs_expiring_idx
     ON staged_jobs (expires_at) WHERE expires_at IS NOT NULL;
+-- Delayed and expiring rows staged (or updated) by recent transactions: the
+-- drain reads the other two indexes from low-water marks and finds the rows
+-- that appeared below them through this one (drain/keyset.py, "Delayed and
+-- expiring rows"). Ready rows without an expiry are not in it.
+CREATE INDEX IF NOT EXISTS staged_jobs_timed_xact_idx
+    ON staged_jobs (xact) WHERE not_before IS NOT NULL OR expires_at IS NOT NULL;
 
 COMMENT ON TABLE staged_jobs IS
     'Jobs staged in application transactions; drain publishes them to RabbitMQ and deletes them once the broker confirmed.';
 
--- Wake an idle drain as soon as jobs are committed. Statement-level: one
--- notification per INSERT or COPY statement, not one per row, and Postgres
--- folds identical notifications of one transaction into one. A notification
--- is delivered only when (and if) the transaction commits.
+-- Wake an idle drain as soon as jobs are committed, without taxing commits.
+-- Postgres serialises every committing transaction that has a pending NOTIFY
+-- on one database-wide lock held across its WAL flush, so a NOTIFY per staging
+-- transaction would keep concurrent writers from sharing a group commit. Only
+-- an idle drain needs one, and it says so in the wake flag: the sequence
+-- drain_wake, odd while a drain sleeps (armed), even (or never set) otherwise.
+-- Each staging statement reads the flag in the trigger's WHEN (no function
+-- call at all while it is even) and sends one NOTIFY, delivered at commit,
+-- only while it is odd. Reading a sequence is not MVCC: it sees the flag as it
+-- is now, and locks the sequence until the transaction ends, so a drain that
+-- raises the flag sees in pg_locks every writer that may have read it low and
+-- looks once more after they end (drain/wakeup.py has the argument). Staging
+-- never waits for the drain (the lock conflicts with nothing a writer or the
+-- drain takes) and never fails because it is gone. Statement-level: once per
+-- INSERT or COPY statement, not per row.
+CREATE SEQUENCE IF NOT EXISTS drain_wake;
+-- Every role that stages reads the flag; only the drain sets it.
+GRANT SELECT ON SEQUENCE drain_wake TO PUBLIC;
+
 CREATE OR REPLACE FUNCTION staged_jobs_notify() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -110,7 +167,9 @@ $$;
 
 CREATE OR REPLACE TRIGGER staged_jobs_notify
     AFTER INSERT ON staged_jobs
-    FOR EACH STATEMENT EXECUTE FUNCTION staged_jobs_notify();
+    FOR EACH STATEMENT
+    WHEN (pg_sequence_last_value('drain_wake'::regclass) % 2 = 1)
+    EXECUTE FUNCTION staged_jobs_notify();
 
 -- Staging from SQL with every option by name, e.g. a backfill in one statement:
 --   SELECT drain_stage('search.index_annotation', kwargs => jsonb_build_object('annotation_id', id),
@@ -140,8 +199,14 @@ $$;
 -- 'invalid' (cannot become a Celery message). `drain dead list / requeue /
 -- purge` manage them. Unroutable messages are not dead-lettered: their rows
 -- stay staged until the queue exists.
+--
+-- dead_id is the key. id is the id the row had in staged_jobs, and is not
+-- unique here: staged ids can be handed out again (TRUNCATE ... RESTART
+-- IDENTITY, a restored table, a requeued row's new id), and a row moved here
+-- must never fail on an older one's id.
 CREATE TABLE IF NOT EXISTS dead_jobs (
-    id         bigint      PRIMARY KEY,  -- the id it had in staged_jobs
+    dead_id    bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    id         bigint      NOT NULL,
     task_id    uuid        NOT NULL,
     task_name  text        NOT NULL,
     args       jsonb       NOT NULL,
@@ -156,7 +221,20 @@ CREATE TABLE IF NOT EXISTS dead_jobs (
     detail     text,
     dead_at    timestamptz NOT NULL DEFAULT now()
 );
+-- A dead_jobs table from before dead_id had its primary key on id.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_attribute
+                   WHERE attrelid = 'dead_jobs'::regclass AND attname = 'dead_id'
+                     AND NOT attisdropped) THEN
+        ALTER TABLE dead_jobs DROP CONSTRAINT IF EXISTS dead_jobs_pkey;
+        ALTER TABLE dead_jobs
+            ADD COLUMN dead_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY;
+    END IF;
+END
+$$;
 CREATE INDEX IF NOT EXISTS dead_jobs_reason_idx ON dead_jobs (reason, dead_at);
+CREATE INDEX IF NOT EXISTS dead_jobs_id_idx ON dead_jobs (id);
 
 -- Consumers' record of the task ids they have processed (drain.consumer):
 -- written in the same transaction as the task's own effects, so a redelivered
@@ -208,6 +286,8 @@ BEGIN
         GRANT SELECT, DELETE ON staged_jobs TO drain_runner;
         -- The drain moves rows that can never be published into dead_jobs.
         GRANT INSERT ON dead_jobs TO drain_runner;
+        -- It raises and lowers the wake flag (drain/wakeup.py).
+        GRANT UPDATE ON SEQUENCE drain_wake TO drain_runner;
     END IF;
 END
 $$;

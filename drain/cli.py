@@ -15,12 +15,14 @@ import enum
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from drain import __version__, config, dead, sql, store
+from drain import __version__, config, dead, options, sql, store, urls
+from drain import status as drain_status
 from drain.errors import (
     BrokerUnavailable,
     ConfigError,
@@ -61,14 +63,20 @@ def _add_database(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_lock_key(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--lock-key",
-        type=int,
-        default=int(_env("DRAIN_LOCK_KEY", str(config.DEFAULT_LOCK_KEY)) or 0),
-        metavar="N",
+    options.add(
+        parser, "--lock-key", env="DRAIN_LOCK_KEY", default=config.DEFAULT_LOCK_KEY,
+        parse=options.INT64, metavar="N",
         help="advisory lock key shared by the drains of one database; only the holder "
-        f"publishes (env DRAIN_LOCK_KEY, default {config.DEFAULT_LOCK_KEY})",
+        "publishes",
     )
+
+
+#: Said under every command's options that come from DRAIN_* variables.
+ENV_NOTE = (
+    "Every setting may come from its DRAIN_* environment variable; a flag wins over it. "
+    "A variable set to the empty string counts as unset: the default applies. Numbers are "
+    "checked before anything connects, from a flag or a variable alike."
+)
 
 
 #: /metrics and friends; lane K of a drain split in lanes serves on this + K.
@@ -83,6 +91,7 @@ def _add_run_parser(sub: Any) -> None:
         "them once the broker confirmed them. Several copies may run: one holds the "
         "advisory lock and publishes, the others wait and take over within a second "
         "when it dies. SIGTERM or SIGINT finish the current batch and exit 0.",
+        epilog=ENV_NOTE,
     )
     _add_database(p)
     p.add_argument(
@@ -92,29 +101,31 @@ def _add_run_parser(sub: Any) -> None:
         help="RabbitMQ URL, Celery style: amqp://user:pass@host:5672// ('//' is the vhost "
         f"'/') (env DRAIN_BROKER_URL, default {config.DEFAULT_BROKER_URL})",
     )
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=int(_env("DRAIN_BATCH_SIZE", "1000") or 0),
+    options.add(
+        p, "--batch-size", env="DRAIN_BATCH_SIZE", default=config.DEFAULT_BATCH_SIZE,
+        parse=options.COUNT,
         metavar="N",
-        help="rows per transaction, published with pipelined confirms "
-        "(env DRAIN_BATCH_SIZE, default 1000)",
+        help="rows per transaction, published with pipelined confirms",
     )
-    p.add_argument(
-        "--poll-interval",
-        type=float,
-        default=float(_env("DRAIN_POLL_INTERVAL", "1.0") or 0),
-        metavar="SECONDS",
-        help="when idle, look for rows this often even without a NOTIFY "
-        "(env DRAIN_POLL_INTERVAL, default 1.0)",
+    options.add(
+        p, "--pipeline", env="DRAIN_PIPELINE", default=config.DEFAULT_PIPELINE,
+        parse=options.Number(whole=True, low=1, high=config.MAX_PIPELINE),
+        metavar="N",
+        help=f"batches in flight at once, 1 to {config.MAX_PIPELINE}: the next ones are "
+        "fetched and published while the broker confirms the oldest. A crash republishes "
+        "at most N x batch size jobs (same task ids); 1 overlaps nothing",
     )
-    p.add_argument(
-        "--confirm-timeout",
-        type=float,
-        default=float(_env("DRAIN_CONFIRM_TIMEOUT", "30") or 0),
+    options.add(
+        p, "--poll-interval", env="DRAIN_POLL_INTERVAL", default=1.0,
+        parse=options.POSITIVE_SECONDS,
         metavar="SECONDS",
-        help="abandon a batch (rows stay staged) when the broker has not confirmed it by "
-        "then (env DRAIN_CONFIRM_TIMEOUT, default 30)",
+        help="when idle, look for rows this often even without a NOTIFY",
+    )
+    options.add(
+        p, "--confirm-timeout", env="DRAIN_CONFIRM_TIMEOUT", default=30.0,
+        parse=options.POSITIVE_SECONDS,
+        metavar="SECONDS",
+        help="abandon a batch (rows stay staged) when the broker has not confirmed it by then",
     )
     p.add_argument(
         "--queue-declare",
@@ -124,23 +135,21 @@ def _add_run_parser(sub: Any) -> None:
         "default; 'passive': only check it exists (for queues declared with "
         "x-max-priority, quorum...) (env DRAIN_QUEUE_DECLARE, default celery)",
     )
-    p.add_argument(
-        "--queue-max-priority",
-        type=int,
-        default=int(_env("DRAIN_QUEUE_MAX_PRIORITY", "0") or 0),
+    options.add(
+        p, "--queue-max-priority", env="DRAIN_QUEUE_MAX_PRIORITY", default=0,
+        parse=options.Number(whole=True, low=0, high=255),
         metavar="N",
-        help="declare queues with x-max-priority N, as Celery's task_queue_max_priority "
-        "does, and publish row priorities as AMQP priorities 0..N; 0: queues without "
-        "priority (env DRAIN_QUEUE_MAX_PRIORITY, default 0)",
+        help="declare queues with x-max-priority N (0 to 255), as Celery's "
+        "task_queue_max_priority does, and publish row priorities as AMQP priorities "
+        "0..N; 0: queues without priority",
     )
-    p.add_argument(
-        "--max-message-size",
-        type=int,
-        default=int(_env("DRAIN_MAX_MESSAGE_SIZE", str(16 * 1024 * 1024)) or 0),
+    options.add(
+        p, "--max-message-size", env="DRAIN_MAX_MESSAGE_SIZE",
+        default=config.DEFAULT_MAX_MESSAGE_SIZE, parse=options.COUNT,
         metavar="BYTES",
         help="dead-letter rows whose message body is larger, instead of letting the broker "
-        "refuse them: RabbitMQ's max_message_size (env DRAIN_MAX_MESSAGE_SIZE, default "
-        "16777216, RabbitMQ 4's default; 3.x allows 134217728)",
+        "refuse them: RabbitMQ's max_message_size (16777216 is RabbitMQ 4's default; 3.x "
+        "allows 134217728)",
     )
     p.add_argument(
         "--fetch-strategy",
@@ -151,39 +160,34 @@ def _add_run_parser(sub: Any) -> None:
         "drain/keyset.py); head: scan from the head of the index every batch, only for "
         "comparison (env DRAIN_FETCH_STRATEGY)",
     )
-    p.add_argument(
-        "--rescan-interval",
-        type=float,
-        default=float(_env("DRAIN_RESCAN_INTERVAL", "60") or 60),
+    options.add(
+        p, "--rescan-interval", env="DRAIN_RESCAN_INTERVAL", default=300.0,
+        parse=options.SECONDS_OR_ZERO,
         metavar="SECONDS",
-        help="with the keyset fetch, rescan from the head of the index this often, the "
-        "backstop for a row written long after it took its id (env DRAIN_RESCAN_INTERVAL, "
-        "default 60)",
+        help="with the keyset fetch, rescan from the head of the index this often: a "
+        "belt-and-braces backstop, which the low-water marks do not rely on; 0: never",
     )
-    p.add_argument(
-        "--lanes",
-        type=int,
-        default=int(_env("DRAIN_LANES", "1") or 1),
+    options.add(
+        p, "--lanes", env="DRAIN_LANES", default=1,
+        parse=options.Number(whole=True, low=1, high=config.MAX_LANES),
         metavar="N",
         help="split the rows in N lanes by id modulo N, each drained by its own process "
         "with its own lock (and its own standbys); every drain of one lock key must use "
-        "the same N (env DRAIN_LANES, default 1)",
+        "the same N",
     )
-    p.add_argument(
-        "--lane",
-        type=int,
-        default=int(_env("DRAIN_LANE", "0") or 0),
+    options.add(
+        p, "--lane", env="DRAIN_LANE", default=0,
+        parse=options.INDEX,
         metavar="K",
-        help="with --lanes N: the lane this process drains, 0 to N-1 (env DRAIN_LANE)",
+        help="with --lanes N: the lane this process drains, 0 to N-1",
     )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=int(_env("DRAIN_METRICS_PORT", str(DEFAULT_METRICS_PORT)) or 0),
+    options.add(
+        p, "--metrics-port", env="DRAIN_METRICS_PORT", default=DEFAULT_METRICS_PORT,
+        parse=options.PORT,
         metavar="PORT",
         help="serve /metrics (Prometheus), /healthz, /readyz and a status page on this port; "
-        "0: off. Each drain on one host needs its own (env DRAIN_METRICS_PORT, default 9464; "
-        "lane K of a drain split in lanes defaults to 9464 + K)",
+        "0: off. Each drain on one host needs its own (lane K of a drain split in lanes "
+        "defaults to 9464 + K)",
     )
     p.add_argument(
         "--metrics-host",
@@ -192,13 +196,12 @@ def _add_run_parser(sub: Any) -> None:
         help="address to serve them on; 0.0.0.0 inside a container (env DRAIN_METRICS_HOST, "
         "default 127.0.0.1)",
     )
-    p.add_argument(
-        "--metrics-interval",
-        type=float,
-        default=float(_env("DRAIN_METRICS_INTERVAL", "15") or 15),
+    options.add(
+        p, "--metrics-interval", env="DRAIN_METRICS_INTERVAL", default=15.0,
+        parse=options.POSITIVE_SECONDS,
         metavar="SECONDS",
         help="read the backlog, dead jobs and the oldest transaction from the database this "
-        "often, on a connection of its own (env DRAIN_METRICS_INTERVAL, default 15)",
+        "often, on a connection of its own",
     )
     _add_lock_key(p)
     p.add_argument(
@@ -246,11 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kwargs", default="{}", metavar="JSON", help="keyword args, a JSON object")
     p.add_argument("--queue", default=None, help="Celery queue (default celery)")
     p.add_argument("--task-id", default=None, help="task id (default: a new UUID)")
-    p.add_argument("--priority", type=int, default=0, help="higher first (default 0)")
+    p.add_argument("--priority", type=options.Number(whole=True, low=-32768, high=32767),
+                   default=0, help="higher first, -32768 to 32767 (default 0)")
     p.add_argument("--tag", default=None, help="who staged it, e.g. ops.manual")
-    p.add_argument("--countdown", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--countdown", type=options.SECONDS_OR_ZERO, default=None, metavar="SECONDS",
                    help="not before this many seconds from now")
-    p.add_argument("--expires", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--expires", type=options.SECONDS_OR_ZERO, default=None, metavar="SECONDS",
                    help="dead-letter instead of publishing after this many seconds")
     p.set_defaults(func=cmd_stage)
 
@@ -283,13 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Show the backlog by queue, tag and task, how long the oldest due job "
         "has waited, dead letters by reason, the database's oldest open transaction (it "
         "keeps vacuum from removing drained rows) and which drain holds the lock. Above "
-        f"{store.ESTIMATE_ABOVE:,} staged rows the counts are estimates, and say so.",
+        f"{drain_status.ESTIMATE_ABOVE:,} staged rows the counts are estimates, and say so.",
     )
     _add_database(p)
     _add_lock_key(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (with --watch: one per line per refresh)")
-    p.add_argument("--watch", nargs="?", const=2.0, type=_interval, metavar="SECONDS",
+    p.add_argument("--watch", nargs="?", const=2.0, type=options.POSITIVE_SECONDS,
+                   metavar="SECONDS",
                    help="refresh every SECONDS (default 2) until Ctrl-C; on a terminal the "
                    "view is redrawn, otherwise each refresh is printed after a blank line")
     p.set_defaults(func=cmd_status)
@@ -326,7 +331,8 @@ def _add_dead_parsers(sub: Any) -> None:
     dead_sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     q = dead_sub.add_parser("list", help="show matching dead jobs, newest first")
     _add_dead_filters(q, older_than_required=False)
-    q.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
+    q.add_argument("--limit", type=options.COUNT, default=50,
+                   help="at most this many (default 50)")
     q.add_argument("--json", action="store_true", help="one JSON object per line")
     q.set_defaults(func=cmd_dead_list)
     q = dead_sub.add_parser(
@@ -422,7 +428,7 @@ def cmd_processed_purge(args: argparse.Namespace) -> int:
 
 def _settings(args: argparse.Namespace, **overrides: Any) -> config.Settings:
     values: dict[str, Any] = {"database_url": args.database_url}
-    for name in ("broker_url", "batch_size", "poll_interval", "confirm_timeout",
+    for name in ("broker_url", "batch_size", "pipeline", "poll_interval", "confirm_timeout",
                  "queue_declare", "lock_key", "queue_max_priority", "max_message_size",
                  "fetch_strategy", "rescan_interval", "lanes", "lane"):
         if hasattr(args, name):
@@ -438,7 +444,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     settings = _settings(args)
     with store.connect_plain(settings) as conn:
         store.migrate(conn)
-    log.info("schema applied to %s", config.mask_database_url(settings.database_url))
+    log.info("schema applied to %s", urls.mask_database_url(settings.database_url))
     return Exit.OK
 
 
@@ -488,23 +494,13 @@ def _json_arg(flag: str, text: str) -> Any:
         raise StagingError(f"{flag} is not valid JSON: {exc}") from None
 
 
-def _interval(text: str) -> float:
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = 0.0
-    if not seconds > 0:
-        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
-    return seconds
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     settings = _settings(args)
     try:
         if args.watch is not None:
             return _watch_status(settings, args.json, args.watch)
         with store.connect_plain(settings) as conn:
-            status = store.status(conn, settings.lock_key)
+            status = drain_status.read(conn, settings.lock_key)
         if args.json:
             print(json.dumps(status, indent=2, sort_keys=True))
         else:
@@ -522,7 +518,11 @@ def _watch_status(settings: config.Settings, as_json: bool, every: float) -> int
     the next one; Ctrl-C ends the watch with exit code 0 (in :func:`main`).
     """
     redraw = sys.stdout.isatty() and not as_json
-    reader = store.StatusReader(settings)
+    reader = drain_status.StatusReader(settings)
+    # Ctrl-C ends the watch even if it was started with SIGINT ignored, as a
+    # background job of a non-interactive shell is (Python then installs no
+    # handler of its own).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     first = True
     try:
         while True:
@@ -552,7 +552,7 @@ def _watch_status(settings: config.Settings, as_json: bool, every: float) -> int
 
 
 def _status_lines(status: dict[str, Any]) -> list[str]:
-    """``drain status`` for people: what :func:`drain.store.status` returns."""
+    """``drain status`` for people: what :func:`drain.status.read` returns."""
     estimated = status["backlog_estimated"]
 
     def count(n: int) -> str:
@@ -623,12 +623,13 @@ def _describe_holder(lock: dict[str, Any]) -> str:
             f"(client {lock['client_addr'] or 'local socket'})")
 
 
-def _configure_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def _configure_logging(verbose: bool, secrets: Sequence[str] = ()) -> None:
+    """Log to stderr, every line (tracebacks too) scrubbed of ``secrets`` and of
+    the passwords of any URL in it (:class:`drain.urls.ScrubbingFormatter`)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(urls.ScrubbingFormatter(
+        "%(asctime)s %(levelname)s %(name)s: %(message)s", list(secrets)))
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
     # pika logs every failed attempt at ERROR; drain logs one line per state change.
     logging.getLogger("pika").setLevel(logging.DEBUG if verbose else logging.CRITICAL)
 
@@ -645,16 +646,14 @@ _EXIT_CODES: Sequence[tuple[type[BaseException], Exit]] = (
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        parser = build_parser()
-    except ValueError as exc:  # a malformed DRAIN_* number in the environment
-        print(f"drain: error: bad number in a DRAIN_* environment variable: {exc}",
-              file=sys.stderr)
-        return int(Exit.USAGE)
+    parser = build_parser()
     args = parser.parse_args(argv)
-    _configure_logging(args.verbose)
+    options.apply_env(args)
+    secrets = _secrets(args)
+    _configure_logging(args.verbose, secrets)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        _check_urls(args)
         return func(args)
     except KeyboardInterrupt:
         return Exit.OK
@@ -663,21 +662,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verbose:
             log.exception("drain %s failed", args.command)
         text = str(exc) if isinstance(exc, DrainError) else f"{type(exc).__name__}: {exc}"
-        text = config.scrub(text.strip().splitlines()[0] if text.strip() else text,
-                            _secrets(args))
+        text = urls.scrub(text.strip().splitlines()[0] if text.strip() else text, secrets)
         print(f"drain: error: {text}", file=sys.stderr)
         return int(code)
 
 
+#: URLs of the Spark commands besides --database-url (a jdbc: URL goes to JDBC as it is).
+_OTHER_DATABASE_URLS = (("source_url", "--source-url"), ("downstream_url", "--downstream-url"))
+
+
+def _check_urls(args: argparse.Namespace) -> None:
+    """Refuse a malformed URL before anything starts (Spark in particular), without
+    showing it. The other commands check theirs in :class:`drain.config.Settings`."""
+    if args.command not in ("backfill", "reconcile"):
+        return
+    urls.database_conninfo(getattr(args, "database_url", "") or "")
+    for name, flag in _OTHER_DATABASE_URLS:
+        url = getattr(args, name, None)
+        if url and not url.startswith("jdbc:"):
+            try:
+                urls.database_conninfo(url)
+            except ConfigError as exc:
+                raise ConfigError(f"{flag}: {exc}") from None
+
+
 def _secrets(args: argparse.Namespace) -> list[str]:
-    """Passwords in the URLs given, so that no error message can show them."""
-    try:
-        return config.Settings(
-            database_url=getattr(args, "database_url", ""),
-            broker_url=getattr(args, "broker_url", config.DEFAULT_BROKER_URL),
-        ).secrets()
-    except DrainError:
-        return []
+    """Passwords in the URLs given, so that no error message or log line can show them
+    (:func:`drain.urls.secrets_of`: malformed URLs too; never raises)."""
+    found = urls.secrets_of(getattr(args, "database_url", "") or "",
+                              getattr(args, "broker_url", "") or "")
+    for name, _ in _OTHER_DATABASE_URLS:
+        found += urls.secrets_of(getattr(args, name, None) or "")
+    return found
 
 
 if __name__ == "__main__":  # pragma: no cover

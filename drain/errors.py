@@ -64,3 +64,8 @@ class QueueDeclareRefused(BrokerUnavailable):
 
 class LaneConflict(DrainError):
     """Drains split in a different number of lanes run on the same lock key."""
+
+
+class BatchConflict(DrainError):
+    """A batch transaction failed on a concurrent change (a serialization failure
+    or a deadlock): it was rolled back, the session and the lock are kept."""

@@ -8,7 +8,7 @@ Two kinds of numbers, and what they cost:
   transaction, dead tuples): read every ``interval`` seconds (15 s by default)
   by :class:`Sampler` on its own short-lived connection, never per batch. The
   backlog is an exact count only while the table is small; above
-  ``store.ESTIMATE_ABOVE`` rows (by ``n_live_tup``) the total is
+  ``drain.status.ESTIMATE_ABOVE`` rows (by ``n_live_tup``) the total is
   ``n_live_tup`` and the groups are scaled from a ``TABLESAMPLE`` of the table,
   and ``drain_backlog_estimated`` says so.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -28,9 +29,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from drain import store
+from drain import status as drain_status
 from drain.config import Settings
-from drain.errors import DrainError
+from drain.errors import ConfigError, DrainError
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,13 @@ class Metrics:
             "their rows stay staged.")
         self.nacked = counter(
             "drain_nacked", "Messages the broker nacked; their rows stay staged.")
+        self.unsettled = counter(
+            "drain_unsettled_rows", "Rows whose messages the broker confirmed but whose "
+            "delete was rolled back (session lost, a conflicting change): they are published "
+            "again with the same task id, duplicates a consumer must expect.")
+        self.stale_batches = counter(
+            "drain_stale_batches", "Batches not published because, after a pause between "
+            "fetch and publish, the session (and the lock) could not be proved alive.")
         self.reconnects = counter(
             "drain_reconnects", "Successful reconnections after a lost connection, by target "
             "(database, broker).", ("target",))
@@ -139,7 +147,7 @@ class Metrics:
         self.lock_held.set(1 if held else 0)
 
     def set_sample(self, status: dict[str, Any]) -> None:
-        """Set the sampled gauges from a :func:`drain.store.status` result."""
+        """Set the sampled gauges from a :func:`drain.status.read` result."""
         self.backlog.set(status["backlog"])
         self.backlog_estimated.set(1 if status["backlog_estimated"] else 0)
         groups: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -160,7 +168,7 @@ class Metrics:
 
 
 class Sampler:
-    """Reads :func:`drain.store.status` every ``interval`` seconds in a thread.
+    """Reads :func:`drain.status.read` every ``interval`` seconds in a thread.
 
     Keeps the last result and a short history (backlog, published counter) for
     the status page. A failure is logged once, and the next sample retries.
@@ -168,13 +176,15 @@ class Sampler:
 
     def __init__(self, settings: Settings, metrics: Metrics, interval: float,
                  published: Callable[[], int]) -> None:
+        if not (math.isfinite(interval) and interval > 0):
+            raise ConfigError(f"metrics interval must be positive, got {interval}")
         self._metrics = metrics
         self._interval = interval
         self._published = published
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="drain-sampler", daemon=True)
         self._lock = threading.Lock()
-        self._reader = store.StatusReader(settings, application_name="drain metrics")
+        self._reader = drain_status.StatusReader(settings, application_name="drain metrics")
         self._error: str | None = None
         self.last: dict[str, Any] | None = None
         self.sampled_at: float | None = None

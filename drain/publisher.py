@@ -16,6 +16,21 @@ heartbeats keep flowing).
 A message counts as delivered only when its ``basic.ack`` arrived and no
 ``basic.return`` came before it. Anything else (nack, return, timeout, a
 connection lost mid-batch) leaves it undelivered and its row stays staged.
+
+Matching a return to its publish
+--------------------------------
+A ``basic.return`` carries no delivery tag, and a task id is no identity:
+two staged rows may share one (re-staging a job under its id), and both can
+be in flight at once. What the broker does guarantee, on one channel: it
+handles publishes in order, sends the return of an unroutable message while
+it handles that publish, and confirms a message only after handling it. So
+when a return arrives, every ack or nack received so far is for an earlier
+publish: the returned message's tag is above the highest tag confirmed so
+far. Among the messages in flight above that tag, the return is matched by
+task id and routing key; if more than one fits (same task id, same queue,
+both still unconfirmed), every one of them counts as returned. Their rows
+stay staged and are published again: a duplicate with the same task id at
+worst, never a row deleted for a message the broker dropped.
 """
 
 from __future__ import annotations
@@ -33,13 +48,16 @@ import pika.exceptions
 from pika.adapters.select_connection import SelectConnection
 
 from drain.amqp import EncodedProperties
-from drain.config import scrub
 from drain.errors import BrokerRefused, BrokerUnavailable, QueueDeclareRefused
 from drain.message import Message
+from drain.urls import scrub
 
 log = logging.getLogger(__name__)
 
-_PENDING, _ACKED, _NACKED = 0, 1, 2
+#: A message's status in its batch: pending until acked or nacked; _RETURNED is
+#: a flag set by a basic.return (before the ack that resolves it).
+_PENDING, _ACKED, _NACKED, _RETURNED = 0, 1, 2, 4
+_RESOLVED = _ACKED | _NACKED
 
 #: pika queues each AMQP frame on its own and sends each with its own send()
 #: call: three per message. Before the I/O loop turns, the frames of a batch
@@ -96,8 +114,8 @@ class PublishResult:
 
     #: Row ids whose messages the broker confirmed (acked, not returned).
     confirmed: list[int]
-    #: Task ids returned as unroutable (``mandatory`` and no queue bound).
-    returned: set[str]
+    #: Row ids whose messages came back unroutable (``mandatory``, no queue bound).
+    returned: list[int]
     #: Number of messages the broker nacked.
     nacked: int
     #: Set when the batch ended early (connection lost, confirm timeout);
@@ -146,7 +164,8 @@ class Publisher:
         self._generation = 0
         self._base_tag = 0
         self._low = 1
-        self._returned: set[str] = set()
+        #: The highest delivery tag any ack or nack has named on this channel.
+        self._confirmed_up_to = 0
 
     # -- connection -----------------------------------------------------------
 
@@ -162,9 +181,9 @@ class Publisher:
         self._refused = False
         self._declared.clear()
         self._inflight = []
-        self._returned = set()
         self._base_tag = 0
         self._low = 1
+        self._confirmed_up_to = 0
         self._generation += 1
         try:
             self._conn = SelectConnection(
@@ -301,20 +320,16 @@ class Publisher:
             self._failure = "abandoned a batch after the confirm timeout"
         with contextlib.suppress(ValueError):
             self._inflight.remove(batch)
-        returned = {m.task_id for m in batch.messages} & self._returned
-        self._returned -= returned
-        returned_queues = {m.routing_key for m in batch.messages if m.task_id in returned}
+        status = batch.status
+        returned = [m for i, m in enumerate(batch.messages) if status[i] & _RETURNED]
         confirmed_queues = {
-            m.routing_key for i, m in enumerate(batch.messages) if batch.status[i] == _ACKED
+            m.routing_key for i, m in enumerate(batch.messages) if status[i] & _ACKED
         }
-        confirmed = [
-            m.row_id
-            for i, m in enumerate(batch.messages)
-            if batch.status[i] == _ACKED and m.task_id not in returned
-        ]
+        confirmed = [m.row_id for i, m in enumerate(batch.messages) if status[i] == _ACKED]
+        nacked = sum(1 for value in status if value & _NACKED)
         return PublishResult(
-            confirmed, returned, batch.status.count(_NACKED), error, returned_queues,
-            confirmed_queues,
+            confirmed, [m.row_id for m in returned], nacked, error,
+            {m.routing_key for m in returned}, confirmed_queues,
         )
 
     def publish(self, messages: Sequence[Message]) -> PublishResult:
@@ -432,14 +447,25 @@ class Publisher:
         self._ready = False
         self._wake()
 
-    def _on_return(self, _channel: Any, _method: Any, properties: Any, _body: bytes) -> None:
-        self._returned.add(str(properties.correlation_id))
+    def _on_return(self, _channel: Any, method: Any, properties: Any, _body: bytes) -> None:
+        """Flag the publish this return is for (see the module's docstring)."""
+        task_id = str(properties.correlation_id)
+        routing_key = method.routing_key
+        above = self._confirmed_up_to
+        for batch in self._inflight:
+            if batch.generation != self._generation or batch.base + len(batch.status) <= above:
+                continue
+            for i in range(max(above - batch.base, 0), len(batch.messages)):
+                m = batch.messages[i]
+                if m.task_id == task_id and m.routing_key == routing_key:
+                    batch.status[i] |= _RETURNED
 
     def _on_confirm(self, frame: Any) -> None:
         method = frame.method
         tag = method.delivery_tag
         status = _ACKED if isinstance(method, pika.spec.Basic.Ack) else _NACKED
         first = self._low if method.multiple else tag
+        self._confirmed_up_to = max(self._confirmed_up_to, tag)
         for batch in self._inflight:
             size = len(batch.status)
             if batch.base >= tag:
@@ -448,8 +474,8 @@ class Publisher:
                 continue
             statuses = batch.status
             for i in range(max(first - batch.base - 1, 0), min(tag - batch.base, size)):
-                if statuses[i] == _PENDING:
-                    statuses[i] = status
+                if not statuses[i] & _RESOLVED:
+                    statuses[i] |= status
                     batch.resolved += 1
         if method.multiple:
             self._low = max(self._low, tag + 1)

@@ -3,7 +3,10 @@
 -- since each client library spells placeholders its own way.
 
 -- name: schema_present
-SELECT to_regclass('staged_jobs') IS NOT NULL;
+-- staged_jobs's oid (NULL: no such table), which also keys the wake flag's
+-- sentinel lock (drain.wakeup), and whether the wake flag exists (a schema
+-- from before it needs `drain migrate`).
+SELECT to_regclass('staged_jobs')::oid::int, to_regclass('drain_wake') IS NOT NULL;
 
 -- name: try_lock
 SELECT pg_try_advisory_lock(%(key)s);
@@ -22,30 +25,82 @@ SELECT pg_advisory_lock_shared(%(guard)s::int, %(lanes)s::int)::text;
 -- name: listen
 LISTEN drain_staged_jobs;
 
+-- name: take_sentinel
+-- Only the session holding the sentinel lock raises the wake flag.
+SELECT pg_try_advisory_lock(%(class)s::int, %(key)s::int);
+
+-- name: release_sentinel
+SELECT pg_advisory_unlock(%(class)s::int, %(key)s::int);
+
+-- name: wake_flag
+-- Is the wake flag raised (odd)? Never set reads as lowered.
+SELECT coalesce(mod(pg_sequence_last_value('drain_wake'), 2) = 1, false);
+
+-- name: raise_flag
+-- Staging notifies from now on (not transactional: seen at once).
+SELECT setval('drain_wake', 1);
+
+-- name: lower_flag
+SELECT setval('drain_wake', 2);
+
+-- name: silent_writers
+-- Some other transaction, still open, has read the wake flag, maybe before
+-- it was raised: reading a sequence takes RowExclusiveLock on it until the
+-- transaction ends (init_sequence in Postgres's sequence.c, every version
+-- since 10). Other modes are not readers of the flag (pg_dump's
+-- AccessShareLock, held for a whole dump, must not keep the drain from
+-- arming). Asked after raising the flag.
+SELECT EXISTS (
+    SELECT 1 FROM pg_locks
+    WHERE locktype = 'relation' AND relation = 'drain_wake'::regclass::oid
+      AND mode = 'RowExclusiveLock'
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND pid <> pg_backend_pid()
+);
+
+-- name: announce
+SELECT pg_notify('drain_staged_jobs', 'drain');
+
+-- name: armed_elsewhere
+-- Another session (another lane's drain) holds the sentinel lock: it is armed.
+SELECT EXISTS (
+    SELECT 1 FROM pg_locks
+    WHERE locktype = 'advisory' AND mode = 'ExclusiveLock' AND granted
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND classid = %(class)s::int::oid AND objid = %(key)s::int::oid AND objsubid = 2
+      AND pid <> pg_backend_pid()
+);
+
 -- name: fetch_batch
--- The next batch: highest priority first, then oldest. Ready rows come from
--- staged_jobs_ready_idx: each priority with a low-water mark (drain.keyset)
--- is read from (priority, mark) on, past the dead index entries of rows
--- already drained; the open ranges of priorities between them from their
--- head. Delayed rows that are due come from staged_jobs_delayed_idx by due
--- time, so rows not yet due are never scanned. Left out: the batch still in
--- flight (published, not yet confirmed), the queues the broker is refusing
--- for now, expired rows (expire moves at most a batch of them per cycle; the
--- rest wait for the next cycles rather than being published with an expiry
--- in the past), and rows of other lanes. JSON stays text: the message body
--- is built from it without a decode/encode round trip.
+-- The next batch: highest priority first, then in staging transaction
+-- order. Ready rows come from staged_jobs_ready_idx: each priority with a
+-- low-water mark (drain.keyset) is read from (priority, xact, id) = (p, mark)
+-- on, past the dead index entries of rows already drained; the open ranges of
+-- priorities between them from their head. Delayed rows that are due come
+-- from staged_jobs_delayed_idx by due time from their low-water mark, so rows
+-- not yet due and rows already drained are never scanned; those that appeared
+-- below the mark (a late commit, an update) through staged_jobs_timed_xact_idx.
+-- Left out: the batches still in flight (published, not yet
+-- confirmed), the queues the broker is refusing for now, expired rows (expire
+-- moves at most a batch of them per cycle; the rest wait for the next cycles
+-- rather than being published with an expiry in the past), and rows of other
+-- lanes (lane = |id mod N|: every id, negative ones too, has exactly one).
+-- JSON stays text: the message body is built from it without a decode/encode
+-- round trip.
 SELECT id, task_id, task_name, args::text, kwargs::text, queue, priority, tag, expires_at,
        not_before IS NULL AS ready
 FROM (
-    (SELECT s.* FROM unnest(%(priorities)s::int[], %(marks)s::bigint[]) AS m(p, w)
+    (SELECT s.* FROM unnest(%(priorities)s::int[], %(mark_xacts)s::bigint[],
+                            %(mark_ids)s::bigint[]) AS m(p, wx, wi)
      CROSS JOIN LATERAL (
         SELECT * FROM staged_jobs s
-        WHERE s.not_before IS NULL AND s.priority = m.p AND s.id >= m.w
+        WHERE s.not_before IS NULL AND s.priority = m.p
+          AND (s.xact, s.id) >= (m.wx::text::xid8, m.wi)
           AND (s.expires_at IS NULL OR s.expires_at > now())
           AND s.id <> ALL(%(exclude)s::bigint[])
           AND s.queue <> ALL(%(paused)s::text[])
-          AND (%(lanes)s::int = 1 OR mod(s.id, %(lanes)s::int) = %(lane)s::int)
-        ORDER BY s.priority DESC, s.id
+          AND (%(lanes)s::int = 1 OR abs(mod(s.id, %(lanes)s::int)) = %(lane)s::int)
+        ORDER BY s.priority DESC, s.xact, s.id
         LIMIT %(limit)s) AS s)
     UNION ALL
     (SELECT s.* FROM unnest(%(gap_above)s::int[], %(gap_below)s::int[]) AS g(above, below)
@@ -55,48 +110,116 @@ FROM (
           AND (s.expires_at IS NULL OR s.expires_at > now())
           AND s.id <> ALL(%(exclude)s::bigint[])
           AND s.queue <> ALL(%(paused)s::text[])
-          AND (%(lanes)s::int = 1 OR mod(s.id, %(lanes)s::int) = %(lane)s::int)
-        ORDER BY s.priority DESC, s.id
+          AND (%(lanes)s::int = 1 OR abs(mod(s.id, %(lanes)s::int)) = %(lane)s::int)
+        ORDER BY s.priority DESC, s.xact, s.id
         LIMIT %(limit)s) AS s)
     UNION ALL
     (SELECT * FROM staged_jobs s
      WHERE s.not_before IS NOT NULL AND s.not_before <= now()
+       AND s.not_before >= %(delayed_from)s::timestamptz
        AND (s.expires_at IS NULL OR s.expires_at > now())
        AND s.id <> ALL(%(exclude)s::bigint[])
        AND s.queue <> ALL(%(paused)s::text[])
-       AND (%(lanes)s::int = 1 OR mod(s.id, %(lanes)s::int) = %(lane)s::int)
+       AND (%(lanes)s::int = 1 OR abs(mod(s.id, %(lanes)s::int)) = %(lane)s::int)
      ORDER BY s.not_before, s.id
      LIMIT %(limit)s)
+    UNION ALL
+    (SELECT * FROM (
+        SELECT * FROM staged_jobs s
+        WHERE (s.not_before IS NOT NULL OR s.expires_at IS NOT NULL)
+          AND %(delayed_from)s::timestamptz > '-infinity'  -- from the start: all above
+          AND s.xact >= %(timed_xact)s::text::xid8
+          AND s.not_before IS NOT NULL AND s.not_before <= now()
+          AND s.not_before < %(delayed_from)s::timestamptz
+          AND (s.expires_at IS NULL OR s.expires_at > now())
+          AND s.id <> ALL(%(exclude)s::bigint[])
+          AND s.queue <> ALL(%(paused)s::text[])
+          AND (%(lanes)s::int = 1 OR abs(mod(s.id, %(lanes)s::int)) = %(lane)s::int)
+        ORDER BY s.xact OFFSET 0) AS late
+     ORDER BY late.not_before, late.id
+     LIMIT %(limit)s)
 ) AS due
-ORDER BY priority DESC, id
+ORDER BY priority DESC, xact, id
 LIMIT %(limit)s;
 
 -- name: fetch_heads
--- For drain.keyset's rescan rule, in the batch's own snapshot: that
--- snapshot's xmin and xmax, and for each marked priority the smallest id
--- still staged at or above its mark (NULL: none), whatever its queue, expiry
--- or flight. Each is one index descent from (priority, mark).
+-- For drain.keyset, in the batch's own snapshot: that snapshot's xmin, and
+-- for each marked priority (in the order given) the smallest (xact, id) still
+-- staged at or above its mark (NULLs: none), whatever its expiry or flight, in
+-- any queue but the paused ones (drain.keyset, "Paused queues"). Each is one
+-- index descent from (priority, mark), stepping over the paused queues' rows.
 SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint,
-       pg_snapshot_xmax(pg_current_snapshot())::text::bigint,
-       ARRAY(
-           SELECT (SELECT s.id FROM staged_jobs s
-                   WHERE s.not_before IS NULL AND s.priority = m.p AND s.id >= m.w
-                     AND (%(lanes)s::int = 1 OR mod(s.id, %(lanes)s::int) = %(lane)s::int)
-                   ORDER BY s.priority DESC, s.id
-                   LIMIT 1)
-           FROM unnest(%(priorities)s::int[], %(marks)s::bigint[]) WITH ORDINALITY AS m(p, w, n)
-           ORDER BY m.n);
+       array_agg(h.xact::text::bigint ORDER BY m.n),
+       array_agg(h.id ORDER BY m.n)
+FROM unnest(%(priorities)s::int[], %(mark_xacts)s::bigint[], %(mark_ids)s::bigint[])
+    WITH ORDINALITY AS m(p, wx, wi, n)
+LEFT JOIN LATERAL (
+    SELECT s.xact, s.id FROM staged_jobs s
+    WHERE s.not_before IS NULL AND s.priority = m.p
+      AND (s.xact, s.id) >= (m.wx::text::xid8, m.wi)
+      AND s.queue <> ALL(%(paused)s::text[])
+      AND (%(lanes)s::int = 1 OR abs(mod(s.id, %(lanes)s::int)) = %(lane)s::int)
+    ORDER BY s.priority DESC, s.xact, s.id
+    LIMIT 1) AS h ON true;
+
+-- name: timed_heads
+-- For drain.keyset, in the batch's own snapshot: its xmin, and the smallest
+-- due time and expiry still staged (this lane, any queue or flight) at or
+-- above their marks, or staged by a transaction at or above the last look's
+-- xmin (NULL: none). Each mark is one index descent; the recent rows come
+-- through staged_jobs_timed_xact_idx.
+WITH late AS MATERIALIZED (
+    SELECT s.not_before, s.expires_at FROM staged_jobs s
+    WHERE (s.not_before IS NOT NULL OR s.expires_at IS NOT NULL)
+      -- from the start (a first look, a rescan) every row is at or above the marks
+      AND (%(delayed_from)s::timestamptz > '-infinity'
+           OR %(expiring_from)s::timestamptz > '-infinity')
+      AND s.xact >= %(timed_xact)s::text::xid8
+      AND (%(lanes)s::int = 1 OR abs(mod(s.id, %(lanes)s::int)) = %(lane)s::int)
+    ORDER BY s.xact
+)
+SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint,
+       least((SELECT s.not_before FROM staged_jobs s
+              WHERE s.not_before IS NOT NULL
+                AND s.not_before >= %(delayed_from)s::timestamptz
+                AND (%(lanes)s::int = 1 OR abs(mod(s.id, %(lanes)s::int)) = %(lane)s::int)
+              ORDER BY s.not_before LIMIT 1),
+             (SELECT min(not_before) FROM late))::text,
+       least((SELECT s.expires_at FROM staged_jobs s
+              WHERE s.expires_at IS NOT NULL
+                AND s.expires_at >= %(expiring_from)s::timestamptz
+                AND (%(lanes)s::int = 1 OR abs(mod(s.id, %(lanes)s::int)) = %(lane)s::int)
+              ORDER BY s.expires_at LIMIT 1),
+             (SELECT min(expires_at) FROM late))::text;
 
 -- name: expire
--- Move rows whose expires_at has passed to dead_jobs, in the batch transaction.
+-- Move rows whose expires_at has passed to dead_jobs, in the batch
+-- transaction: this lane's rows only, never the batches in flight. Read from
+-- the expiry's low-water mark on, and below it the rows of recent
+-- transactions (drain/keyset.py, "Delayed and expiring rows").
 WITH gone AS (
     DELETE FROM staged_jobs
     WHERE id IN (
-        SELECT id FROM staged_jobs
-        WHERE expires_at IS NOT NULL AND expires_at <= now()
-          AND id <> ALL(%(exclude)s::bigint[])
-        ORDER BY expires_at
-        LIMIT %(limit)s)
+        (SELECT id FROM staged_jobs
+         WHERE expires_at IS NOT NULL AND expires_at <= now()
+           AND expires_at >= %(expiring_from)s::timestamptz
+           AND id <> ALL(%(exclude)s::bigint[])
+           AND (%(lanes)s::int = 1 OR abs(mod(id, %(lanes)s::int)) = %(lane)s::int)
+         ORDER BY expires_at
+         LIMIT %(limit)s)
+        UNION ALL
+        (SELECT late.id FROM (
+            SELECT id, expires_at FROM staged_jobs
+            WHERE (not_before IS NOT NULL OR expires_at IS NOT NULL)
+              AND %(expiring_from)s::timestamptz > '-infinity'  -- from the start: all above
+              AND xact >= %(timed_xact)s::text::xid8
+              AND expires_at IS NOT NULL AND expires_at <= now()
+              AND expires_at < %(expiring_from)s::timestamptz
+              AND id <> ALL(%(exclude)s::bigint[])
+              AND (%(lanes)s::int = 1 OR abs(mod(id, %(lanes)s::int)) = %(lane)s::int)
+            ORDER BY xact OFFSET 0) AS late
+         ORDER BY late.expires_at
+         LIMIT %(limit)s))
     RETURNING *
 )
 INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, priority, tag,
@@ -119,6 +242,9 @@ INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, priority, ta
 SELECT id, task_id, task_name, args, kwargs, queue, priority, tag,
        not_before, expires_at, staged_at, dead_reason, dead_detail
 FROM gone;
+
+-- name: alive
+SELECT 1;
 
 -- name: delete_confirmed
 DELETE FROM staged_jobs WHERE id = ANY(%(ids)s);
@@ -171,13 +297,13 @@ LIMIT 50;
 -- drain status: how long the oldest due row has waited, from index heads
 -- only (no scan, however big the backlog): the first entry of each priority
 -- in staged_jobs_ready_idx (a loose index scan, one descent per priority;
--- within a priority ids follow staging order, so approximately the oldest),
+-- within a priority rows follow staging transactions, so approximately the oldest),
 -- and the head of staged_jobs_delayed_idx (positive: due that long ago;
 -- negative: nothing delayed is due yet).
 WITH RECURSIVE heads AS (
     (SELECT priority, staged_at FROM staged_jobs
      WHERE not_before IS NULL
-     ORDER BY priority DESC, id
+     ORDER BY priority DESC, xact, id
      LIMIT 1)
     UNION ALL
     SELECT n.priority, n.staged_at
@@ -185,7 +311,7 @@ WITH RECURSIVE heads AS (
     CROSS JOIN LATERAL (
         SELECT s.priority, s.staged_at FROM staged_jobs s
         WHERE s.not_before IS NULL AND s.priority < heads.priority
-        ORDER BY s.priority DESC, s.id
+        ORDER BY s.priority DESC, s.xact, s.id
         LIMIT 1) AS n
 )
 SELECT (SELECT EXTRACT(EPOCH FROM now() - min(staged_at))::float8 FROM heads),

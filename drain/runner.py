@@ -12,8 +12,8 @@ fetch up to ``batch_size`` rows, publish them with pipelined confirms, delete
 exactly the rows whose messages were confirmed, commit (see :meth:`Drain._cycle`
 for how consecutive batches overlap). A crash anywhere leaves each row either
 staged or confirmed by the broker (at-least-once, same task id). When a cycle
-finds fewer rows than a batch, the drain sleeps until a NOTIFY, a signal, or
-``poll_interval``.
+finds fewer rows than a batch, the drain arms its wake-up (drain.wakeup) and
+sleeps until a NOTIFY, a signal, or ``poll_interval``.
 
 A failure repeated identically (a queue the broker refuses to declare, a
 statement that keeps timing out) is logged once, retried with exponential
@@ -26,6 +26,7 @@ import collections
 import contextlib
 import dataclasses
 import enum
+import functools
 import logging
 import os
 import select
@@ -38,9 +39,10 @@ from types import FrameType
 
 import tenacity
 
-from drain import keyset, message
-from drain.config import Settings, broker_parameters, mask_url, scrub
+from drain import keyset, message, reachable, wakeup
+from drain.config import Settings
 from drain.errors import (
+    BatchConflict,
     BrokerRefused,
     BrokerUnavailable,
     DatabaseRefused,
@@ -53,6 +55,7 @@ from drain.message import StagedRow
 from drain.metrics import Metrics
 from drain.publisher import Batch, Publisher, PublishResult
 from drain.store import Store
+from drain.urls import broker_parameters, mask_url, scrub
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,10 @@ HEADS_INTERVAL = 0.25
 EXPIRE_INTERVAL = 1.0
 #: Seconds between two looks of the watchdog at the loop (Drain._watch).
 WATCH_INTERVAL = 1.0
+#: A batch fetched longer ago than this (the process was paused, a declare
+#: hung) is published only after one round trip proves the session, and so the
+#: lock, is still there: a standby may have taken over meanwhile.
+STALE_FETCH = 1.0
 
 
 def stuck_after(settings: Settings) -> float:
@@ -107,6 +114,7 @@ class Drain:
         exit_when_empty: bool = False,
         on_cycle: Callable[[int, int], None] | None = None,
         on_fetch: Callable[[float, int], None] | None = None,
+        on_expire: Callable[[float, int], None] | None = None,
     ) -> None:
         self.settings = settings
         self.exit_when_empty = exit_when_empty
@@ -114,6 +122,7 @@ class Drain:
         self.published = 0
         self._on_cycle = on_cycle
         self._on_fetch = on_fetch
+        self._on_expire = on_expire
         self.metrics = Metrics()
         self.metrics.lanes.set(settings.lanes)
         self._heartbeat = time.monotonic()
@@ -122,10 +131,19 @@ class Drain:
         self._expired_at = 0.0
         self._marks = keyset.Marks(enabled=settings.fetch_strategy == "keyset",
                                    rescan_interval=settings.rescan_interval)
+        self._fetched_at = 0.0
         self._secrets = settings.secrets()
         self._store = Store(settings)
+        self._wakeup = wakeup.Wakeup(self._store, lanes=settings.lanes)
+        broker = broker_parameters(settings.broker_url)
+        #: Where to knock while waiting to reconnect (drain.reachable), resolved
+        #: when an outage begins.
+        self._knock: dict[str, Callable[[], list[reachable.Address]]] = {
+            "database": functools.partial(reachable.addresses, settings.database_url),
+            "broker": functools.partial(reachable.tcp_addresses, broker.host, broker.port),
+        }
         self._publisher = Publisher(
-            broker_parameters(settings.broker_url),
+            broker,
             display_url=mask_url(settings.broker_url),
             declare=settings.queue_declare,
             confirm_timeout=settings.confirm_timeout,
@@ -138,7 +156,9 @@ class Drain:
         )
         self._stopping = False
         self._lane_conflict: str | None = None
-        self._inflight: Batch | None = None
+        #: Batches published and not yet settled, oldest first (at most
+        #: ``settings.pipeline - 1`` between cycles).
+        self._inflight: list[Batch] = []
         self._connected_once: set[str] = set()
         #: queue -> (paused until (monotonic), times paused, last reason logged)
         self._paused: dict[str, tuple[float, int, str]] = {}
@@ -186,7 +206,7 @@ class Drain:
                                     daemon=True)
         watchdog.start()
         try:
-            while not self._stopping or self._inflight is not None:
+            while not self._stopping or self._inflight:
                 self._heartbeat = time.monotonic()
                 self.metrics.holding_lock(self._store.holds_lock)
                 if self._stopping:
@@ -288,6 +308,9 @@ class Drain:
         except DatabaseUnavailable as exc:
             self._database_lost(exc)
             return
+        except BatchConflict as exc:
+            self._conflict(exc)
+            return
         except BrokerUnavailable as exc:
             self._broker_lost(exc)
             return
@@ -295,77 +318,84 @@ class Drain:
         self.metrics.last_cycle.set(time.time())
         self._recovered("database")
         self._recovered("broker")
-        if count < self.settings.batch_size and self._inflight is None:
+        if count < self.settings.batch_size and not self._inflight:
             if count == 0 and self.exit_when_empty:
                 log.info("backlog empty: exiting (--exit-when-empty)")
                 self._stopping = True
                 return
-            self._idle()
+            self._idle(count)
+            return
+        try:
+            # A backlog found by a poll, not a NOTIFY (delayed rows came due,
+            # say): writers need not notify while the drain works through it.
+            self._wakeup.busy()
+        except DatabaseUnavailable as exc:
+            self._database_lost(exc)
 
     def _cycle(self) -> int:
-        """One transaction: publish a new batch, settle the previous one.
+        """One transaction: publish a new batch, settle the oldest one in flight.
 
-        The batch published in transaction k is confirmed while transaction
-        k+1 fetches and publishes the next one, so the broker never waits for
-        Postgres: transaction k+1 then deletes the rows of batch k that the
-        broker confirmed. Rows still in flight are excluded from the fetch.
-        A part batch (nothing left behind it to overlap with) is confirmed and
-        deleted in its own transaction: the latency of a lone job is one
-        transaction, not two. In the same transaction, expired rows and rows that can never become a
-        message move to dead_jobs. Returns how many rows were fetched or expired.
+        With ``pipeline`` P, the batch published in transaction k is confirmed
+        while transactions k+1 .. k+P-1 fetch and publish the next ones, so the
+        broker never waits for Postgres: transaction k+P-1 then deletes the rows
+        of batch k that the broker confirmed. Rows still in flight are excluded
+        from the fetch. A part batch (nothing left behind it to overlap with)
+        settles everything in flight, itself included, in its own transaction:
+        the latency of a lone job is one transaction, not P. In the same
+        transaction, expired rows and rows that can never become a message move
+        to dead_jobs. Returns how many rows were fetched or expired.
         """
-        previous, self._inflight = self._inflight, None
-        current: Batch | None = None
+        pending, self._inflight = self._inflight, []
         start_error: BrokerUnavailable | None = None
         results: list[PublishResult] = []
         doomed: list[tuple[int, str, str]] = []
         rows: list[StagedRow] = []
         limit = self.settings.batch_size
         expired = 0
-        with self._store.batch():
-            exclude = previous.row_ids if previous else []
-            if not self._stopping:
-                if self._expire_due():
-                    expired = self._store.expire(exclude, limit)
-                    self._expired_at = time.monotonic() if expired < limit else 0.0
-                if expired:
-                    self.metrics.expired.inc(expired)
-                    self.metrics.dead_lettered.labels("expired").inc(expired)
-                    log.warning("moved %d expired job(s) to dead_jobs (reason 'expired')",
-                                expired)
-                # A full batch expired: more expired rows may remain, which the
-                # fetch would have to skip one by one. Move them first (the next
-                # cycle follows at once) and fetch once they are gone.
-                if expired < limit:
-                    rows = self._fetch(limit, exclude)
-            if rows:
-                self.metrics.batch_rows.observe(len(rows))
-                publishing = time.perf_counter()
-                try:
-                    current = self._start(rows, doomed)
-                except BrokerUnavailable as exc:
-                    start_error = exc
-                self.metrics.publish_seconds.observe(time.perf_counter() - publishing)
-            if previous is not None:
+        try:
+            with self._store.batch():
+                if not self._stopping:
+                    expired, rows = self._expire_and_fetch(
+                        [row_id for batch in pending for row_id in batch.row_ids], limit)
+                if rows:
+                    self.metrics.batch_rows.observe(len(rows))
+                    publishing = time.perf_counter()
+                    try:
+                        current = self._start(rows, doomed)
+                    except BrokerUnavailable as exc:
+                        start_error = exc
+                    else:
+                        if current is not None:
+                            pending.append(current)
+                    self.metrics.publish_seconds.observe(time.perf_counter() - publishing)
                 # On the way out, do not keep a stalled broker's batch for the whole
                 # confirm timeout: abandoning it is safe (its rows stay staged).
                 settle = SETTLE_TIMEOUT if self._stopping else None
-                results.append(self._wait(previous, settle))
-            if current is not None and (
-                start_error or any(r.error for r in results) or len(rows) < limit
-            ):
-                # The connection failed: collect what was confirmed before that.
-                # Or no backlog is left (a part batch): nothing would follow to
-                # overlap with, so wait for these confirms and delete the rows in
-                # this transaction (one transaction per job instead of two).
-                results.append(self._wait(current))
-                current = None
-            confirmed = [row_id for r in results for row_id in r.confirmed]
-            deleted = self._store.delete(confirmed) if confirmed else 0
-            if doomed:
-                self._store.bury(doomed)
+                while pending and (
+                    len(pending) >= self.settings.pipeline or len(rows) < limit
+                    or start_error or any(r.error for r in results)
+                ):
+                    # The oldest batch, to keep at most pipeline - 1 in flight. All
+                    # of them when no backlog is left (nothing would follow to overlap
+                    # with, so a lone job takes one transaction), or when the
+                    # connection failed (collect what was confirmed before that).
+                    results.append(self._wait(pending.pop(0), settle))
+                confirmed = [row_id for r in results for row_id in r.confirmed]
+                deleted = self._store.delete(confirmed) if confirmed else 0
+                if doomed:
+                    self._store.bury(doomed)
+        except (DatabaseUnavailable, BatchConflict):
+            # Rolled back: every row stays staged, the ones the broker confirmed
+            # too. They are published again, with the same task ids: count them.
+            self.metrics.unsettled.inc(sum(len(r.confirmed) for r in results))
+            self._publisher.forget_inflight()
+            raise
+        if expired:
+            self.metrics.expired.inc(expired)
+            self.metrics.dead_lettered.labels("expired").inc(expired)
+            log.warning("moved %d expired job(s) to dead_jobs (reason 'expired')", expired)
         # Committed: the confirmed rows are gone, everything else stays staged.
-        self._inflight = current
+        self._inflight = pending
         self.metrics.deleted.inc(deleted)
         for reason, count in sorted(collections.Counter(r for _, r, _ in doomed).items()):
             self.metrics.dead_lettered.labels(reason).inc(count)
@@ -376,6 +406,23 @@ class Drain:
         if error is not None:
             raise error
         return max(len(rows), expired)
+
+    def _expire_and_fetch(self, exclude: list[int], limit: int) -> tuple[int, list[StagedRow]]:
+        """Move expired rows to dead_jobs (when due), then fetch the next batch."""
+        expired = 0
+        if self._expire_due():
+            started = time.perf_counter()
+            expired = self._store.expire(exclude, limit, self._marks.current())
+            if self._on_expire is not None:
+                self._on_expire(time.perf_counter() - started, expired)
+            self._expired_at = time.monotonic() if expired < limit else 0.0
+        # A full batch expired: more expired rows may remain, which the fetch
+        # would have to skip one by one. Move them first (the next cycle follows
+        # at once) and fetch once they are gone.
+        if expired >= limit:
+            return expired, []
+        self._try_paused()  # a broker round trip: not part of the fetch's time
+        return expired, self._fetch(limit, exclude)
 
     def _wait(self, batch: Batch, timeout: float | None = None) -> PublishResult:
         """Wait for a batch's confirms, timed."""
@@ -394,18 +441,21 @@ class Drain:
         """Fetch the next batch and move the low-water marks (drain.keyset)."""
         started = time.perf_counter()
         marks = self._marks  # with --fetch-strategy head they plan from the head, keep none
-        rows = self._store.fetch(limit, exclude, self._paused_queues(),
-                                 marks.plan(time.monotonic()))
+        paused = self._paused_queues()
+        marks.paused(paused)
+        rows = self._store.fetch(limit, exclude, paused, marks.plan(time.monotonic()))
         now = time.monotonic()
-        marks.fetched([(row.priority, row.id) for row in rows if row.ready], now)
-        # The rescan rule needs a look at the heads now and then, not per batch:
+        marks.fetched([row.priority for row in rows if row.ready], now)
+        # The marks move on a look at the heads now and then, not per batch:
         # spare the round trip on most fetches.
-        if now - self._heads_at >= HEADS_INTERVAL:
+        if now - self._heads_at >= HEADS_INTERVAL and marks.enabled:
+            self._heads_at = now
             current = marks.current()
             if current.priorities:
-                self._heads_at = now
-                heads, xmin, xmax = self._store.heads(current)
-                marks.observe(heads, xmin, xmax, now)
+                heads, xmin = self._store.heads(current, paused)
+                marks.observe(heads, xmin, paused)
+            marks.observe_timed(*self._store.timed_heads(current))
+        self._fetched_at = now
         elapsed = time.perf_counter() - started
         self.metrics.fetch_seconds.observe(elapsed)
         if self._on_fetch is not None:
@@ -421,11 +471,34 @@ class Drain:
         publishable = [row for row in rows if row.queue not in refused]
         if not publishable:
             return None
+        self._prove_lock()
         return self._publisher.start(
             self._messages(publishable, doomed),
             queues={row.queue for row in publishable},
             count=len(publishable),
         )
+
+    def _prove_lock(self) -> None:
+        """Before publishing a batch fetched a while ago, prove the lock is still ours.
+
+        A leader paused (SIGSTOP, a frozen VM, a hung declare) between its fetch
+        and its publish may have lost its session meanwhile, and a standby taken
+        over and published the same rows. Publishing them now would only make
+        duplicates: drop the batch instead (its rows stay staged for the new
+        leader) and count it in ``drain_stale_batches_total``. A pause that falls
+        after this check is not caught; it costs duplicates at worst
+        (``drain_unsettled_rows_total``).
+        """
+        if time.monotonic() - self._fetched_at <= STALE_FETCH:
+            return
+        try:
+            self._store.alive()
+        except DatabaseUnavailable:
+            self.metrics.stale_batches.inc()
+            log.warning("a batch fetched %.1fs ago was not published: the database session "
+                        "(and the lock) did not survive the pause",
+                        time.monotonic() - self._fetched_at)
+            raise
 
     def _messages(
         self, rows: list[StagedRow], doomed: list[tuple[int, str, str]]
@@ -451,6 +524,25 @@ class Drain:
     def _paused_queues(self) -> list[str]:
         now = time.monotonic()
         return [queue for queue, (until, _, _) in self._paused.items() if until > now]
+
+    def _try_paused(self) -> None:
+        """Declare again the paused queues whose pause ran out: resume the ones the
+        broker accepts now, pause the others for longer.
+
+        Trying a queue by declaring it, not by fetching its rows, keeps the marks
+        past those rows (drain.keyset, "Paused queues") while the broker still
+        refuses it: a fetch never steps over the pile just to find that out.
+        """
+        now = time.monotonic()
+        due = {queue for queue, (until, _, _) in self._paused.items() if until <= now}
+        if not due:
+            return
+        refused = self._publisher.declare(due)
+        for queue in sorted(due):
+            if queue in refused:
+                refusal = QueueDeclareRefused(queue, refused[queue], self.settings.queue_declare)
+                self._pause(queue, str(refusal))
+        self._resume(due - set(refused))
 
     def _pause(self, queue: str, reason: str) -> None:
         """Leave ``queue``'s rows staged for a while (doubling up to 30 s) and say why once."""
@@ -484,21 +576,25 @@ class Drain:
                            len(result.confirmed))
 
     def _settle(self) -> None:
-        """On the way out: wait for the batch in flight and delete what was confirmed."""
+        """On the way out: wait for the batches in flight and delete what was confirmed."""
         if not (self._store.connected and self._store.holds_lock):
-            self._inflight = None
+            self._inflight = []
             return
         try:
             self._cycle()
         except (DatabaseUnavailable, BrokerUnavailable) as exc:
-            log.warning("could not settle the last batch (%s); its rows stay staged",
+            log.warning("could not settle the last batches (%s); their rows stay staged",
                         self._clean(exc))
-        self._inflight = None
+        self._inflight = []
 
-    def _idle(self) -> None:
-        """Wait for a NOTIFY, a stop request or the poll interval; keep the broker alive."""
+    def _idle(self, found: int) -> None:
+        """After a cycle that found ``found`` rows, fewer than a batch: arm the
+        wake-up (drain.wakeup) and wait for a NOTIFY, a stop request or the
+        pause it allows; keep the broker alive."""
         try:
-            self._store.wait(self.settings.poll_interval, extra_fds=(self._wake_r,))
+            pause = self._wakeup.pause(found, self.settings.poll_interval)
+            if pause > 0 and self._store.wait(pause, extra_fds=(self._wake_r,)):
+                self._wakeup.busy()
         except DatabaseUnavailable as exc:
             self._database_lost(exc)
             return
@@ -512,15 +608,23 @@ class Drain:
 
     def _database_lost(self, exc: DatabaseUnavailable) -> None:
         was_active = self.state is State.ACTIVE
-        self._inflight = None  # its rows stay staged and will be published again
+        self._inflight = []  # its rows stay staged and will be published again
         self._publisher.forget_inflight()
         self._store.close()
         self.state = State.DB_DOWN
         suffix = "; lock released, batch rolled back" if was_active else ""
         self._failed("database", self._clean(exc) + suffix, in_cycle=True)
 
+    def _conflict(self, exc: BatchConflict) -> None:
+        """A concurrent change made the batch fail (a row updated or deleted
+        under it): it rolled back, the session and the lock are kept, and the
+        next cycle fetches afresh."""
+        self._inflight = []
+        self._failed("database", str(exc) + "; batch rolled back, rows stay staged",
+                     in_cycle=True)
+
     def _broker_lost(self, exc: BrokerUnavailable) -> None:
-        self._inflight = None  # lost with the connection; its rows stay staged
+        self._inflight = []  # lost with the connection; its rows stay staged
         self._publisher.close()
         self.state = State.BROKER_DOWN
         self._failed("broker", self._clean(exc) + "; rows stay staged", in_cycle=True)
@@ -571,6 +675,11 @@ class Drain:
                     in_cycle=False,
                 )
 
+        watch = reachable.Watch(self._knock[what])
+
+        def sleep(seconds: float) -> None:
+            self._sleep_until_back(seconds, watch, what)
+
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(
                 lambda exc: isinstance(exc, errors) and not first_refusal(exc)
@@ -578,7 +687,7 @@ class Drain:
             wait=tenacity.wait_exponential(multiplier=0.1, max=self.settings.max_backoff)
             + tenacity.wait_random(0, 0.2),
             stop=lambda _state: self._stopping,
-            sleep=self._sleep,
+            sleep=sleep,
             before_sleep=before_sleep,
             reraise=True,
         )
@@ -616,6 +725,19 @@ class Drain:
         self._heartbeat = time.monotonic()
         select.select([self._wake_r], [], [], seconds)
         self._drain_wake_pipe()
+
+    def _sleep_until_back(self, seconds: float, watch: reachable.Watch, what: str) -> None:
+        """Back off for ``seconds``, but end the wait as soon as a server that
+        was not listening listens again (drain.reachable)."""
+        deadline = time.monotonic() + seconds
+        while not self._stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._sleep(min(left, reachable.INTERVAL))
+            if watch.came_back():
+                log.info("%s is accepting connections again: reconnecting now", what)
+                return
 
     def _drain_wake_pipe(self) -> None:
         try:

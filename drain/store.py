@@ -18,7 +18,6 @@ import select
 import socket
 import zlib
 from collections.abc import Iterator
-from typing import Any
 
 import psycopg
 import psycopg.errors
@@ -26,9 +25,10 @@ from psycopg import conninfo
 from psycopg import sql as psql
 from psycopg.pq import TransactionStatus
 
-from drain import keyset, sql
-from drain.config import Settings, mask_database_url, scrub
+from drain import keyset, sql, wakeup
+from drain.config import Settings
 from drain.errors import (
+    BatchConflict,
     DatabaseRefused,
     DatabaseUnavailable,
     DrainError,
@@ -36,6 +36,8 @@ from drain.errors import (
     SchemaMissing,
 )
 from drain.message import StagedRow
+from drain.url_parts import first_line
+from drain.urls import mask_database_url, scrub
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,11 @@ class Store:
         self._conn: psycopg.Connection[tuple[object, ...]] | None = None
         self._display = mask_database_url(settings.database_url)
         self.holds_lock = False
+        #: The ``lanes``/``lane`` parameters of every query that reads this lane's rows.
+        self._lane: dict[str, int] = {"lanes": settings.lanes, "lane": settings.lane}
+        #: This session raised the wake flag (drain.wakeup): the drain is idle.
+        self.armed = False
+        self._wake: dict[str, object] = {"class": wakeup.WAKE_CLASS, "key": 0}
         self._joined = False
 
     @property
@@ -136,11 +143,18 @@ class Store:
                 [item for pair in session.items() for item in pair],
             )
             present = conn.execute(sql.query("schema_present")).fetchone()
-            if not present or not present[0]:
+            table, wake_flag = present if present else (None, False)
+            if table is None:
                 raise SchemaMissing(
                     f"database {self._display} has no staged_jobs table: run `drain migrate` first"
                 )
+            if not wake_flag:
+                raise SchemaMissing(
+                    f"database {self._display} has an older drain schema (no wake flag, "
+                    "sequence drain_wake): run `drain migrate`"
+                )
             conn.execute(sql.query("listen"))
+            self._wake = {"class": wakeup.WAKE_CLASS, "key": table}
         except psycopg.Error as exc:
             self.close()
             raise self._unavailable("failed", exc) from None
@@ -149,9 +163,13 @@ class Store:
             raise
 
     def close(self) -> None:
-        """Close the session; this also releases the lock and rolls back a batch."""
+        """Close the session; this also releases the locks and rolls back a batch."""
+        if self.armed and self._conn is not None and not self._conn.closed:
+            with contextlib.suppress(Exception):  # or the next leader does it
+                self._conn.execute(sql.query("lower_flag"))
         conn, self._conn = self._conn, None
         self.holds_lock = False
+        self.armed = False
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.close()
@@ -197,6 +215,7 @@ class Store:
         if self.holds_lock:
             name = self.application_name(leader_since=dt.datetime.now(dt.timezone.utc))
             self._execute("set_application_name", {"name": name})
+            self._reset_wake_flag()  # a leader that died armed left it raised
         return self.holds_lock
 
     @contextlib.contextmanager
@@ -210,8 +229,17 @@ class Store:
             with conn.transaction():
                 yield
         except psycopg.Error as exc:
-            self.close()
-            raise self._unavailable("lost", exc) from None
+            # A row of the batch updated or deleted by someone else meanwhile
+            # (REPEATABLE READ), or a deadlock, rolls the transaction back and
+            # leaves the session, with its lock, fine: the next batch starts
+            # afresh. Anything else, or a session not back to idle, is lost.
+            if (not _rolled_back(exc) or conn.closed
+                    or conn.info.transaction_status != TransactionStatus.IDLE):
+                self.close()
+                raise self._unavailable("lost", exc) from None
+            raise BatchConflict(
+                f"database {self._display}: {scrub(first_line(exc), self._secrets)}"
+            ) from None
 
     def fetch(
         self,
@@ -224,28 +252,62 @@ class Store:
         the rows of ``paused`` queues and other lanes' rows; ``plan`` says where
         each priority's scan starts (None: from the head)."""
         params = fetch_params(limit, exclude=exclude, paused=paused, plan=plan,
-                              lanes=self._settings.lanes, lane=self._settings.lane)
+                              **self._lane)
         cur = self._execute("fetch_batch", params)
         return [StagedRow(*row) for row in cur.fetchall()]  # type: ignore[arg-type]
 
-    def heads(self, plan: keyset.FetchPlan) -> tuple[dict[int, int | None], int, int]:
-        """For :meth:`keyset.Marks.observe`: each marked priority's smallest staged id
-        at or above its mark, and this snapshot's xmin and xmax."""
+    def heads(
+        self, plan: keyset.FetchPlan, paused: list[str] | None = None
+    ) -> tuple[dict[int, tuple[int, int] | None], int]:
+        """For :meth:`keyset.Marks.observe`: each marked priority's smallest staged
+        ``(xact, id)`` at or above its mark outside the ``paused`` queues, and this
+        snapshot's xmin."""
         row = self._execute("fetch_heads", {
-            "priorities": plan.priorities, "marks": plan.marks,
-            "lanes": self._settings.lanes, "lane": self._settings.lane,
+            "priorities": plan.priorities, "mark_xacts": plan.mark_xacts,
+            "mark_ids": plan.mark_ids, "paused": paused or [],
+            **self._lane,
         }).fetchone()
         assert row is not None
-        xmin, xmax, heads = row
-        found = dict(zip(plan.priorities, heads, strict=True))  # type: ignore[call-overload]
-        return found, int(xmin), int(xmax)  # type: ignore[call-overload]
+        xmin, xacts, ids = row
+        found: dict[int, tuple[int, int] | None] = {}
+        for priority, xact, row_id in zip(plan.priorities, xacts or [], ids or [],  # type: ignore[call-overload]
+                                          strict=True):
+            found[priority] = None if xact is None else (int(xact), int(row_id))
+        return found, int(xmin)  # type: ignore[call-overload]
 
     def delete(self, ids: list[int]) -> int:
         return self._execute("delete_confirmed", {"ids": ids}).rowcount
 
-    def expire(self, exclude: list[int], limit: int) -> int:
-        """Move up to ``limit`` expired rows to dead_jobs; returns how many."""
-        return self._execute("expire", {"exclude": exclude, "limit": limit}).rowcount
+    def expire(self, exclude: list[int], limit: int,
+               plan: keyset.FetchPlan = keyset.FROM_HEAD) -> int:
+        """Move up to ``limit`` of this lane's expired rows to dead_jobs; returns how many.
+        ``plan`` gives the expiry's low-water mark (drain.keyset)."""
+        return self._execute("expire", {
+            "exclude": exclude, "limit": limit,
+            "expiring_from": plan.expiring_from, "timed_xact": plan.timed_xact,
+            **self._lane,
+        }).rowcount
+
+    def timed_heads(self, plan: keyset.FetchPlan) -> tuple[str | None, str | None, int]:
+        """For :meth:`keyset.Marks.observe_timed`: the smallest staged due time and
+        expiry at or above the marks or staged since the last look, and this
+        snapshot's xmin."""
+        row = self._execute("timed_heads", {
+            "delayed_from": plan.delayed_from, "expiring_from": plan.expiring_from,
+            "timed_xact": plan.timed_xact,
+            **self._lane,
+        }).fetchone()
+        assert row is not None
+        xmin, delayed, expiring = row
+        return (None if delayed is None else str(delayed),
+                None if expiring is None else str(expiring), int(xmin))  # type: ignore[call-overload]
+
+    def alive(self) -> None:
+        """Prove the session (and so the lock it holds) is still there: one round trip.
+
+        Raises :class:`DatabaseUnavailable` when the server ended it meanwhile.
+        """
+        self._execute("alive")
 
     def bury(self, doomed: list[tuple[int, str, str]]) -> int:
         """Move rows to dead_jobs: ``[(id, reason, detail)]``; returns how many."""
@@ -253,6 +315,49 @@ class Store:
         return self._execute(
             "bury", {"ids": ids, "reasons": reasons, "details": details}
         ).rowcount
+
+    # -- the wake flag (drain.wakeup) -------------------------------------------------
+
+    def arm(self, *, announce: bool) -> bool:
+        """Raise the wake flag unless a writer may have read it low and is still
+        open (then lower it again): True when armed (staging notifies)."""
+        self.armed = False
+        if not self._ask("take_sentinel", self._wake):
+            return False  # another lane's drain is armed
+        self._execute("raise_flag")
+        if self._ask("silent_writers"):
+            self._lower(announce=False)
+            return False
+        self.armed = True
+        if announce:
+            self._execute("announce")
+        return True
+
+    def disarm(self, *, announce: bool) -> None:
+        """Lower the wake flag: staging is silent again."""
+        self.armed = False
+        self._lower(announce=announce)
+
+    def armed_elsewhere(self) -> bool:
+        return self._ask("armed_elsewhere", self._wake)
+
+    def _lower(self, *, announce: bool) -> None:
+        # Lowered before the sentinel is released: another lane may raise it next.
+        self._execute("lower_flag")
+        self._execute("release_sentinel", self._wake)
+        if announce:
+            self._execute("announce")
+
+    def _reset_wake_flag(self) -> None:
+        """On taking the lead: a leader that died armed left the flag raised
+        (every staging statement then notifies); lower it unless some drain (a
+        lane's) is armed now."""
+        if self._ask("wake_flag") and self._ask("take_sentinel", self._wake):
+            self._lower(announce=False)
+
+    def _ask(self, name: str, params: dict[str, object] | None = None) -> bool:
+        row = self._execute(name, params).fetchone()
+        return bool(row and row[0])
 
     def wait(self, timeout: float, extra_fds: tuple[int, ...] = ()) -> bool:
         """Wait up to ``timeout`` for a NOTIFY; True when one arrived."""
@@ -274,9 +379,10 @@ class Store:
         other queries, one per committed staging transaction, without bound.
         """
         got = False
+        own = conn.info.backend_pid  # its own announcements (drain.wakeup) wake no one
         try:
-            for _ in conn.notifies(timeout=0):
-                got = True
+            for note in conn.notifies(timeout=0):
+                got = got or note.pid != own
         except psycopg.Error as exc:
             self.close()
             raise self._unavailable("lost", exc) from None
@@ -303,6 +409,8 @@ class Store:
                 "run `drain migrate`"
             ) from None
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            if _rolled_back(exc) and conn.info.transaction_status == TransactionStatus.INERROR:
+                raise  # inside a batch: Store.batch rolls it back and says so
             self.close()
             raise self._unavailable("lost", exc) from None
 
@@ -326,15 +434,16 @@ _REFUSALS = re.compile(
 )
 
 
+def _rolled_back(exc: psycopg.Error) -> bool:
+    """SQLSTATE class 40: a serialization failure or a deadlock, which ends the
+    transaction but not the session (psycopg 3 does not group them in one class)."""
+    return (exc.sqlstate or "").startswith("40")
+
+
 def _server_message(exc: BaseException) -> str:
     """libpq's text without its 'connection to server at ... failed:' preamble."""
     text = first_line(exc)
     return text.split("FATAL:", 1)[1].strip() if "FATAL:" in text else text
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def lane_guard(lock_key: int) -> int:
@@ -365,8 +474,10 @@ def fetch_params(
     plan = plan or keyset.FROM_HEAD
     return {
         "limit": limit, "exclude": exclude or [], "paused": paused or [],
-        "priorities": plan.priorities, "marks": plan.marks,
+        "priorities": plan.priorities, "mark_xacts": plan.mark_xacts,
+        "mark_ids": plan.mark_ids,
         "gap_above": plan.gap_above, "gap_below": plan.gap_below,
+        "delayed_from": plan.delayed_from, "timed_xact": plan.timed_xact,
         "lanes": lanes, "lane": lane,
     }
 
@@ -392,180 +503,3 @@ def migrate(conn: psycopg.Connection[tuple[object, ...]]) -> None:
         # Two migrations at once would race on CREATE ... IF NOT EXISTS.
         conn.execute("SELECT pg_advisory_xact_lock(hashtext('drain migrate'))")
         conn.execute(psql.SQL(sql.schema_text()))
-
-
-#: ``drain status`` and the metrics sampler count the backlog exactly while
-#: the statistics (``pg_stat_user_tables.n_live_tup``, kept by every commit)
-#: estimate fewer staged rows than this: one scan of the table. From this many
-#: on, the total is that estimate and the groups come from a block sample of
-#: about :data:`SAMPLE_PAGES` pages, scaled to it; ``backlog_estimated`` says so.
-ESTIMATE_ABOVE = 100_000
-#: Pages of staged_jobs the sample reads above :data:`ESTIMATE_ABOVE` (8 kB
-#: each: ~35,000 rows of a typical job), whatever the table's size.
-SAMPLE_PAGES = 500
-
-
-def status(
-    conn: psycopg.Connection[tuple[object, ...]], lock_key: int, *,
-    estimate_above: int = ESTIMATE_ABOVE, sample_pages: int = SAMPLE_PAGES,
-) -> dict[str, Any]:
-    """What ``drain status`` shows, cheap at any backlog (the metrics sample it too).
-
-    * ``backlog``, ``delayed`` (staged with a ``not_before`` still ahead) and
-      ``by_group`` (the 50 biggest queue/tag/task groups of ``group_count``):
-      exact below ``estimate_above`` estimated rows; above, ``backlog_estimated``
-      is true, ``backlog`` is the statistics' estimate and the groups and
-      ``delayed`` are scaled from a block sample (``sample``: its percentage of
-      the pages and the rows it read); a sample may miss small groups.
-    * ``oldest_age_seconds``: how long the oldest due row has waited (a ready
-      row since it was staged, a delayed one since it became due; None: no
-      row is due), from the heads of the fetch's indexes: no scan, and
-      approximate where concurrent transactions staged rows out of id order.
-    * ``dead_tuples``: deleted rows of staged_jobs that vacuum has not removed
-      yet (statistics); ``oldest_transaction``: the database's oldest open
-      transaction other than this one (None: none), which keeps them there
-      while ``blocks_vacuum``.
-    * ``dead_by_reason``, ``lock`` (its holder) and ``lanes`` (holders by lane).
-
-    Runs in a transaction of its own (a savepoint inside the caller's), so a
-    watching operator or the sampler never holds one open between calls.
-    """
-    try:
-        with conn.transaction():
-            live, dead_tuples, pages = _first(conn, "backlog_estimate")
-            sample: dict[str, Any] | None = None
-            if live >= estimate_above and pages > sample_pages:
-                percent = 100.0 * sample_pages / pages
-                groups = _rows(conn, "backlog_groups_sample", {"percent": percent})
-                sample = {"percent": round(percent, 3), "rows": groups[0][6] if groups else 0}
-            else:
-                groups = _rows(conn, "backlog_groups")
-            ready_age, due_age = _first(conn, "backlog_oldest")
-            dead = conn.execute(sql.query("dead_by_reason")).fetchall()
-            oldest_xact = conn.execute(sql.query("oldest_transaction")).fetchone()
-            lock = _holder(conn, lock_key >> 32, lock_key, form=1)
-            lanes: dict[str, list[dict[str, Any]]] = {}
-            for (count,) in conn.execute(sql.query("lanes_in_use"),
-                                         {"guard": lane_guard(lock_key)}).fetchall():
-                if isinstance(count, int) and count > 1:
-                    held = {row[0]: _holder_fields(row[1:]) for row in _rows(
-                        conn, "lane_holders", {"class": lane_class(lock_key, count)})}
-                    lanes[str(count)] = [
-                        {"lane": lane, **held.get(lane, {"held": False})}
-                        for lane in range(count)
-                    ]
-    except psycopg.errors.UndefinedTable:
-        raise SchemaMissing("no staged_jobs table: run `drain migrate` first") from None
-    total, delayed, group_count = (int(n) for n in groups[0][6:9]) if groups else (0, 0, 0)
-    scale = 1.0
-    if sample is not None:
-        scale = live / total if total else 0.0
-        total, delayed = live, round(delayed * scale)
-    waits = [age for age in (ready_age, due_age, *(g[5] for g in groups))
-             if isinstance(age, float) and age >= 0]
-    return {
-        "backlog": total,
-        "backlog_estimated": sample is not None,
-        "sample": sample,
-        "delayed": delayed,
-        "oldest_age_seconds": max(waits) if waits else None,
-        "group_count": group_count,
-        "by_group": [
-            {"queue": q, "tag": t, "task": n, "count": round(c * scale),
-             "delayed": round(d * scale), "oldest_age_seconds": a}
-            for q, t, n, c, d, a, *_ in groups
-        ],
-        "dead_by_reason": {str(reason): count for reason, count in dead},
-        "dead_tuples": dead_tuples,
-        "oldest_transaction": _transaction(oldest_xact),
-        "lock": {"key": lock_key, **lock},
-        "lanes": lanes,
-    }
-
-
-class StatusReader:
-    """:func:`status` on a connection kept from one read to the next.
-
-    For the readers that repeat (``drain status --watch``, the metrics
-    sampler): a failed read closes the connection and raises
-    :class:`DatabaseUnavailable` with the driver's text scrubbed of passwords;
-    the next read connects again.
-    """
-
-    def __init__(self, settings: Settings, application_name: str = "drain cli") -> None:
-        self._settings = settings
-        self._application_name = application_name
-        self._conn: psycopg.Connection[tuple[object, ...]] | None = None
-
-    def read(self) -> dict[str, Any]:
-        try:
-            if self._conn is None or self._conn.closed:
-                self._conn = connect_plain(self._settings, self._application_name)
-                self._conn.autocommit = True
-            return status(self._conn, self._settings.lock_key)
-        except Exception as exc:
-            self.close()
-            if isinstance(exc, DrainError):
-                raise
-            raise DatabaseUnavailable(
-                scrub(first_line(exc), self._settings.secrets())
-            ) from None
-
-    def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
-
-
-def _first(conn: psycopg.Connection[tuple[object, ...]], name: str) -> tuple[Any, ...]:
-    """The one row a status query returns."""
-    row = conn.execute(sql.query(name)).fetchone()
-    if row is None:
-        raise DrainError(f"query {name} returned no row")
-    return row
-
-
-def _rows(conn: psycopg.Connection[tuple[object, ...]], name: str,
-          params: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
-    return conn.execute(sql.query(name), params).fetchall()
-
-
-def _transaction(row: tuple[Any, ...] | None) -> dict[str, Any] | None:
-    """The oldest open transaction, as ``drain status`` reports it."""
-    if row is None:
-        return None
-    pid, state, app_name, since, age, blocks_vacuum = row
-    return {
-        "pid": pid,
-        "state": state,
-        "application_name": app_name,
-        "since": since.isoformat() if isinstance(since, dt.datetime) else None,
-        "age_seconds": age,
-        "blocks_vacuum": bool(blocks_vacuum),
-    }
-
-
-def _holder(conn: psycopg.Connection[tuple[object, ...]], high: int, low: int, *,
-            form: int) -> dict[str, Any]:
-    """The holder of one advisory lock: ``{"held": False}`` or its pid, host and since."""
-    holder = conn.execute(sql.query("lock_holder"),
-                          {"high": high, "low": low, "form": form}).fetchone()
-    return {"held": False} if holder is None else _holder_fields(holder)
-
-
-def _holder_fields(row: tuple[Any, ...]) -> dict[str, Any]:
-    """A lock holder's pid, host and since, from its application_name."""
-    pid, app_name, client_addr, _backend_start = row
-    fields = dict(part.split("=", 1) for part in str(app_name or "").split() if "=" in part)
-    since = fields.get("since")
-    return {
-        "held": True,
-        "pid": int(fields.get("pid", pid)),
-        "host": fields.get("host"),
-        "since": dt.datetime.fromtimestamp(int(since), dt.timezone.utc).isoformat()
-        if since and since.isdigit()
-        else None,
-        "client_addr": client_addr,
-        "backend_pid": pid,
-    }
