@@ -33,6 +33,7 @@ from pathlib import Path
 import psycopg
 
 import drain
+from drain import status as drain_status
 from drain import store
 from drain.config import Settings
 from tests import support
@@ -93,7 +94,7 @@ class Soak:
     def lock_holder(self) -> int | None:
         """Which of the drains holds the lock now (its index), if any."""
         with psycopg.connect(self.url) as conn:
-            status = store.status(conn, Settings().lock_key)
+            status = drain_status.read(conn, Settings().lock_key)
         pid = status["lock"].get("pid")
         return next((i for i, p in enumerate(self.drains) if p.pid == pid), None)
 

@@ -28,7 +28,9 @@ import pika
 import psycopg
 
 import drain
-from drain.config import broker_parameters
+from drain import sql
+from drain.urls import broker_parameters
+from drain.wakeup import WAKE_CLASS
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_URL = os.environ.get("DRAIN_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -146,6 +148,27 @@ def check_at_least_once(
 
 def connect(url: str, **kwargs: Any) -> psycopg.Connection[Any]:
     return psycopg.connect(url, **kwargs)
+
+
+def explain_buffers(conn: psycopg.Connection[Any], query: str, params: dict[str, object]) -> int:
+    """The shared buffers (hit or read) ``query`` touches, from EXPLAIN ANALYZE: how
+    much of the index and heap a read steps over."""
+    row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query, params).fetchone()
+    assert row is not None
+    plan = row[0][0]["Plan"]
+    return int(plan.get("Shared Hit Blocks", 0)) + int(plan.get("Shared Read Blocks", 0))
+
+
+@contextlib.contextmanager
+def held_snapshot(url: str) -> Iterator[psycopg.Connection[Any]]:
+    """A forgotten read-only transaction: vacuum keeps every row deleted while it lasts."""
+    with psycopg.connect(url) as analytics:
+        analytics.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        analytics.execute("SELECT count(*) FROM staged_jobs").fetchone()
+        try:
+            yield analytics
+        finally:
+            analytics.rollback()
 
 
 def staged_count(url: str) -> int:
@@ -435,3 +458,24 @@ class TcpProxy:
 
 def dumps(value: Any) -> str:
     return json.dumps(value)
+
+
+@contextlib.contextmanager
+def wake_flag_raised(db_url: str) -> Iterator[psycopg.Connection[Any]]:
+    """Staging notifies as it does while a drain sleeps armed (drain.wakeup): a
+    session of our own holds the sentinel lock and raises the wake flag; both
+    are put back on the way out."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        assert conn.execute(sql.query("take_sentinel"), sentinel(conn)).fetchone() == (True,)
+        conn.execute(sql.query("raise_flag"))
+        try:
+            yield conn
+        finally:
+            conn.execute(sql.query("lower_flag"))
+
+
+def sentinel(conn: psycopg.Connection[Any]) -> dict[str, object]:
+    """The sentinel lock's parameters for drain's queries (drain.store)."""
+    row = conn.execute(sql.query("schema_present")).fetchone()
+    assert row is not None
+    return {"class": WAKE_CLASS, "key": row[0]}

@@ -234,16 +234,31 @@ def test_broker_down_for_a_long_while_app_keeps_staging(
 
 
 def _cut_until_drained(proxy: support.TcpProxy, db_url: str, what: str) -> int:
-    """Cut every connection through ``proxy`` at random moments until the backlog is
-    gone (120 s at most); returns how many cuts it took."""
+    """Cut every connection through ``proxy`` until the backlog is gone (120 s at most);
+    returns how many cuts it took.
+
+    Each cut waits for the drain to be back at work (a new connection accepted and rows
+    deleted since the last cut), then lets it run a random 0-0.2 s. Cutting on a clock
+    instead let a fast drain empty the backlog between two cuts; tied to progress, every
+    cut hits a working drain and the number of cuts grows with the backlog."""
     rng = random.Random()
     cuts = 0
     deadline = time.monotonic() + 120
-    while support.staged_count(db_url) > 0:
-        assert time.monotonic() < deadline, f"the drain wedged under {what} cuts"
-        _fault_pause(rng.uniform(0.2, 0.8))
+    left = support.staged_count(db_url)
+    accepted = 0  # the connections in place before the first cut count
+    while left > 0:
+        def working(accepted: int = accepted, left: int = left) -> bool:
+            rows = support.staged_count(db_url)
+            return rows == 0 or (proxy.accepted > accepted and rows < left)
+        support.wait_for(working, max(deadline - time.monotonic(), 0.1),
+                         f"the drain to work again under {what} cuts")
+        if support.staged_count(db_url) == 0:
+            break
+        _fault_pause(rng.uniform(0.0, 0.2))
+        accepted = proxy.accepted
         proxy.cut()
         cuts += 1
+        left = support.staged_count(db_url)
     return cuts
 
 
@@ -357,9 +372,12 @@ def test_postgres_connection_cut_mid_batch_repeatedly(
         proc = _run_drain(spawn, db_url, "--batch-size", "500", db_port=proxy.port)
         proc.wait_for_output("broker connected", timeout=30)
         cuts = _cut_until_drained(proxy, db_url, "Postgres")
-        # The last cut may have come after the last batch: the drain leads again.
-        support.wait_for(lambda: _lock_holder(db_url) == proc.pid, 30,
-                         "the drain to take the lock back")
+        # The last cut may have come after the last batch: the drain leads again. The
+        # lock shows in pg_locks a moment before the drain logs that it took it, so
+        # wait for both.
+        support.wait_for(
+            lambda: _lock_holder(db_url) == proc.pid and _retook_every_time(proc.output()),
+            30, "the drain to take the lock back and say so")
         out = proc.output()  # before stop(), which cuts once more
     finally:
         proxy.stop()
@@ -371,6 +389,11 @@ def test_postgres_connection_cut_mid_batch_repeatedly(
     assert cuts >= 3, "the backlog drained before enough cuts happened; stage more"
     assert lost >= 1, "the drain never said it lost the lock"
     assert took >= lost + 1, "the drain did not take the lock back after losing it"
+
+
+def _retook_every_time(out: str) -> bool:
+    return (out.count("active: took the drain lock")
+            > out.count("lock released, batch rolled back"))
 
 
 # -- 6. Postgres restarts ------------------------------------------------------------------
@@ -751,7 +774,7 @@ def test_postgres_losses_do_not_leak_in_flight_batches(db_url: str, queue: str) 
             proxy.cut()
             cuts += 1
         # Idle again: nothing is in flight, so the publisher should hold no batch.
-        support.wait_for(lambda: _lock_holder(db_url) is not None and running._inflight is None
+        support.wait_for(lambda: _lock_holder(db_url) is not None and not running._inflight
                          and support.staged_count(db_url) == 0, 30, "an idle, leading drain")
         held = list(running._publisher._inflight)
     finally:

@@ -161,6 +161,15 @@ def test_refused_credentials_at_start_exit_3_without_secrets(db_url: str) -> Non
     assert "wrong-pw" not in result.stderr
 
 
+def test_a_schema_without_the_wake_flag_is_reported_at_connect(db_url: str) -> None:
+    with psycopg.connect(db_url) as conn:
+        conn.execute("DROP SEQUENCE drain_wake CASCADE")  # and the trigger reading it
+    result = support.run_cli(db_url, "run")
+    assert result.returncode == 4
+    assert "older drain schema (no wake flag" in result.stderr
+    assert support.run_cli(db_url, "migrate").returncode == 0
+
+
 def test_an_older_schema_is_reported_not_retried(db_url: str, queue: str) -> None:
     with psycopg.connect(db_url) as conn:
         conn.execute("DROP INDEX staged_jobs_ready_idx")

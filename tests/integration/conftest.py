@@ -16,8 +16,8 @@ from tests import support
 class Running:
     """A Drain running in a background thread, stopped at the end of the test."""
 
-    def __init__(self, settings: Settings) -> None:
-        self.drain = Drain(settings)
+    def __init__(self, settings: Settings, **hooks: Any) -> None:
+        self.drain = Drain(settings, **hooks)
         self.thread = threading.Thread(target=self.drain.run, daemon=True)
         self.thread.start()
 
@@ -29,13 +29,15 @@ class Running:
 
 @pytest.fixture
 def start_drain() -> Iterator[Callable[..., Running]]:
-    """Start a drain on a database with Settings overrides (short polls and backoff)."""
+    """Start a drain on a database with Settings overrides (short polls and backoff);
+    ``on_fetch`` and ``on_cycle`` are passed to the Drain itself."""
     running: list[Running] = []
 
     def _start(db_url: str, **overrides: Any) -> Running:
+        hooks = {k: overrides.pop(k) for k in ("on_fetch", "on_cycle") if k in overrides}
         settings = Settings(database_url=db_url, broker_url=support.BROKER_URL,
                             **{"poll_interval": 0.2, "max_backoff": 0.5, **overrides})
-        r = Running(settings)
+        r = Running(settings, **hooks)
         running.append(r)
         return r
 

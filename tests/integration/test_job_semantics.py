@@ -23,7 +23,7 @@ import pytest
 from celery import Celery
 
 import drain
-from drain import keyset, message, sql
+from drain import config, keyset, message, sql
 from drain.store import Store, fetch_params
 from tests import support
 
@@ -217,18 +217,20 @@ def test_fetch_never_scans_rows_that_are_not_yet_due(db_url: str, plan_cache_mod
             # run often, and Postgres may switch it to a generic plan.
             conn.execute("SET plan_cache_mode = force_generic_plan")
             conn.execute(
-                "PREPARE drain_fetch(int, bigint[], text[], int[], bigint[], int[], int[], "
-                "int, int) AS "
-                + _positional(query, ["limit", "exclude", "paused", "priorities", "marks",
-                                      "gap_above", "gap_below", "lanes", "lane"])
+                "PREPARE drain_fetch(int, bigint[], text[], int[], bigint[], bigint[], int[], "
+                "int[], int, int, text, bigint) AS "
+                + _positional(query, ["limit", "exclude", "paused", "priorities", "mark_xacts",
+                                      "mark_ids", "gap_above", "gap_below", "lanes", "lane",
+                                      "delayed_from", "timed_xact"])
             )
             rows = conn.execute(
-                "EXECUTE drain_fetch(1000, '{}', '{}', '{}', '{}', '{-32769}', '{32768}', 1, 0)"
+                "EXECUTE drain_fetch(1000, '{}', '{}', '{}', '{}', '{}', '{-32769}', '{32768}', "
+                "1, 0, '-infinity', 0)"
             ).fetchall()
             plan = conn.execute(
                 "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "
-                "EXECUTE drain_fetch(1000, '{-1}', '{other}', '{}', '{}', '{-32769}', '{32768}', "
-                "1, 0)"
+                "EXECUTE drain_fetch(1000, '{-1}', '{other}', '{}', '{}', '{}', '{-32769}', "
+                "'{32768}', 1, 0, '-infinity', 0)"
             ).fetchone()
     assert {r[0] for r in rows} == wanted, "the fetch must return exactly the due rows"
     assert [r[6] for r in rows] == sorted((r[6] for r in rows), reverse=True)
@@ -253,14 +255,17 @@ def test_expire_never_scans_rows_that_have_not_expired(db_url: str, plan_cache_m
             if plan_cache_mode == "custom":
                 plan = conn.execute(
                     "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query,
-                    {"exclude": [], "limit": 1000},
+                    {"exclude": [], "limit": 1000, "lanes": 1, "lane": 0,
+                     "expiring_from": "-infinity", "timed_xact": 0},
                 ).fetchone()
             else:
                 conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-                conn.execute("PREPARE expire(bigint[], int) AS "
-                              + _positional(query, ["exclude", "limit"]))
+                conn.execute("PREPARE expire(bigint[], int, int, int, text, bigint) AS "
+                              + _positional(query, ["exclude", "limit", "lanes", "lane",
+                                                    "expiring_from", "timed_xact"]))
                 plan = conn.execute(
-                    "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE expire('{}', 1000)"
+                    "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "
+                    "EXECUTE expire('{}', 1000, 1, 0, '-infinity', 0)"
                 ).fetchone()
             moved = conn.execute("SELECT count(*) FROM dead_jobs WHERE reason = 'expired'")
             assert moved.fetchone() == (3,)
@@ -289,15 +294,16 @@ def test_a_high_priority_job_jumps_a_backlog_being_drained(
         urgent = drain.stage(conn, "t.urgent", queue=queue, priority=10)
     # Read after the commit: at least as many as were published when it committed.
     published_after = total - support.staged_count(db_url)
-    assert published_after + 250 < total, "the drain was too fast to show a jump"
+    # When it committed, up to `pipeline` batches could be published and awaiting
+    # confirms, and the next one fetched already (its snapshot predating the
+    # commit): the fetch after those takes it, ahead of the rest of the backlog.
+    slack = (config.DEFAULT_PIPELINE + 1) * 100 + 50
+    assert published_after + slack < total, "the drain was too fast to show a jump"
     support.wait_for(lambda: support.staged_count(db_url) == 0, 60, "the backlog to drain")
     order = support.task_ids(support.drain_queue(queue, timeout=1.0))
     assert len(order) == total + 1
     position = order.index(str(urgent))
-    # When it committed, one batch could be in flight (published, awaiting
-    # confirms) and the next one fetched already (its snapshot predating the
-    # commit): the fetch after those takes it, ahead of the rest of the backlog.
-    assert published_before <= position <= published_after + 250, (
+    assert published_before <= position <= published_after + slack, (
         f"staged when {published_before}..{published_after} were published, "
         f"published at {position}"
     )
@@ -589,8 +595,8 @@ def test_tags_travel_in_the_drain_tag_header(
 def test_bulk_staging_from_sql_publishes_every_row_with_one_notify_per_statement(
     db_url: str, queue: str, start_active_drain: Any
 ) -> None:
-    with psycopg.connect(db_url, autocommit=True) as listener, \
-            psycopg.connect(db_url) as conn:
+    # As while a drain sleeps armed (drain.wakeup): otherwise staging sends none.
+    with support.wake_flag_raised(db_url) as listener, psycopg.connect(db_url) as conn:
         listener.execute("LISTEN drain_staged_jobs")
         by_function = {
             str(r[0]) for r in conn.execute(

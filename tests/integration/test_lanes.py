@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import psycopg
 
-from drain import store
+from drain import status as drain_status
 from drain.runner import State
 from tests import support
 from tests.integration.conftest import Running
@@ -40,7 +40,7 @@ def test_a_second_process_for_the_same_lane_is_its_standby(
     assert second.drain.published == 0
     assert first.drain.published + other.drain.published == 10
     with psycopg.connect(db_url) as conn:
-        status = store.status(conn, first.drain.settings.lock_key)
+        status = drain_status.read(conn, first.drain.settings.lock_key)
     assert not status["lock"]["held"]
     holders = status["lanes"]["2"]
     assert [h["lane"] for h in holders] == [0, 1] and all(h["held"] for h in holders)

@@ -5,9 +5,12 @@
   they were, on a migrated database and on an empty one alike.
 * The CHECK constraints refuse, in the inserting transaction, rows that could
   never become a Celery message, and a plain SQL INSERT gets the defaults.
-* The NOTIFY trigger sends one notification per committed INSERT or COPY
-  statement, nothing before the commit and nothing for a rollback.
-* drain_stager may only INSERT; drain_runner may only SELECT and DELETE.
+* While a drain is idle (it raised the wake flag, drain/wakeup.py), the NOTIFY
+  trigger sends one notification per committed INSERT or COPY statement,
+  nothing before the commit and nothing for a rollback (without an idle drain
+  it sends none: tests/integration/test_wakeup.py).
+* drain_stager may only INSERT; drain_runner may only SELECT and DELETE, and
+  set the wake flag.
 * The wheel carries a byte-identical copy of the schema.
 """
 
@@ -105,9 +108,12 @@ def test_catalog_snapshot_is_the_schema(db_url: str) -> None:
         "staged_jobs_queue_length",
         "staged_jobs_tag_length",
     }
-    [(name, enabled, definition)] = snap["triggers"]
-    assert (name, enabled) == ("staged_jobs_notify", "O")
-    assert "AFTER INSERT ON public.staged_jobs FOR EACH STATEMENT" in definition
+    (notify, n_enabled, n_def), (xact, x_enabled, x_def) = snap["triggers"]
+    assert (notify, n_enabled) == ("staged_jobs_notify", "O")
+    assert "AFTER INSERT ON public.staged_jobs FOR EACH STATEMENT" in n_def
+    assert "WHEN (((pg_sequence_last_value('drain_wake'::regclass) % (2)::bigint) = 1))" in n_def
+    assert (xact, x_enabled) == ("staged_jobs_xact", "O")
+    assert "BEFORE INSERT OR UPDATE ON public.staged_jobs FOR EACH ROW" in x_def
     assert {
         (table, role, priv) for table, role, priv, _ in snap["grants"] if role.startswith("drain_")
     } == {
@@ -119,7 +125,7 @@ def test_catalog_snapshot_is_the_schema(db_url: str) -> None:
     assert snap["roles"] == [("drain_runner", False), ("drain_stager", False)]
     assert [c[0] for c in snap["columns"]] == [
         "id", "task_id", "task_name", "args", "kwargs", "queue", "staged_at", "priority",
-        "tag", "not_before", "expires_at",
+        "tag", "not_before", "expires_at", "xact",
     ]
 
 
@@ -211,7 +217,8 @@ def test_plain_sql_insert_gets_defaults(db_url: str) -> None:
 
 @pytest.fixture
 def listener(db_url: str) -> Iterator[psycopg.Connection[Any]]:
-    with psycopg.connect(db_url, autocommit=True) as conn:
+    """A session that listens and raises the wake flag, as an idle drain does."""
+    with support.wake_flag_raised(db_url) as conn:
         conn.execute(f"LISTEN {CHANNEL}")
         yield conn
 
@@ -324,7 +331,10 @@ def test_grants(db_url: str, login_roles: tuple[str, str]) -> None:
         assert_refused(app, "SELECT count(*) FROM staged_jobs")
         assert_refused(app, "DELETE FROM staged_jobs")
         assert_refused(app, "UPDATE staged_jobs SET queue = 'other'")
-    assert support.staged_count(db_url) == 4
+        assert_refused(app, sql.query("raise_flag"))  # only the drain sets the wake flag
+        with support.wake_flag_raised(db_url):
+            drain.stage(app, "t.app_while_idle", [4])  # it reads it, and notifies
+    assert support.staged_count(db_url) == 5
 
     with psycopg.connect(db_url, user=drain_role, autocommit=True) as runner:
         assert runner.info.user == drain_role
@@ -333,12 +343,15 @@ def test_grants(db_url: str, login_roles: tuple[str, str]) -> None:
         # The drain's own queries are enough with drain_runner alone.
         params = store.fetch_params(10)
         rows = runner.execute(sql.query("fetch_batch"), params).fetchall()
-        assert len(rows) == 4
+        assert len(rows) == 5
         [app_row] = [r for r in rows if r[1] == staged]
         cur = runner.execute(sql.query("delete_confirmed"), {"ids": [app_row[0]]})
         assert cur.rowcount == 1
-        assert runner.execute("SELECT count(*) FROM staged_jobs").fetchone() == (3,)
-        assert runner.execute("DELETE FROM staged_jobs").rowcount == 3
+        assert runner.execute("SELECT count(*) FROM staged_jobs").fetchone() == (4,)
+        assert runner.execute("DELETE FROM staged_jobs").rowcount == 4
+        # The wake-up handshake (drain.wakeup).
+        for name in ("raise_flag", "silent_writers", "wake_flag", "lower_flag"):
+            runner.execute(sql.query(name))
         # It can set rows aside in dead_jobs, but nothing else of the application's.
         runner.execute(
             "INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, priority, "

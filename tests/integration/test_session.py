@@ -86,6 +86,7 @@ def test_a_wait_takes_every_queued_notification_at_once(db_url: str) -> None:
     store = Store(Settings(database_url=db_url))
     store.connect()
     try:
+        assert store.arm(announce=False)  # idle: staging notifies (drain.wakeup)
         with psycopg.connect(db_url, autocommit=True) as app:
             for i in range(100):
                 app.execute("INSERT INTO staged_jobs (task_name, args) VALUES ('t', %s)",
@@ -103,6 +104,7 @@ def test_a_batch_forgets_the_notifications_of_rows_it_can_already_see(db_url: st
     store = Store(Settings(database_url=db_url))
     store.connect()
     try:
+        assert store.arm(announce=False)  # idle: staging notifies (drain.wakeup)
         with psycopg.connect(db_url, autocommit=True) as app:
             for _ in range(20):
                 app.execute("INSERT INTO staged_jobs (task_name) VALUES ('t')")

@@ -1,4 +1,4 @@
-"""store.status(): exact below the threshold, estimated above, and cheap at any size."""
+"""drain.status.read(): exact below the threshold, estimated above, and cheap at any size."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 import psycopg
 
 import drain
-from drain import sql, store
+from drain import sql
+from drain import status as drain_status
 from tests import support
 
 
@@ -32,7 +33,7 @@ def _live_rows_known(db_url: str, n: int) -> bool:
 def test_exact_below_the_threshold(db_url: str) -> None:
     _stage_groups(db_url)
     with psycopg.connect(db_url) as conn:
-        status = store.status(conn, 1)
+        status = drain_status.read(conn, 1)
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
     assert status["backlog"] == 3000 and status["delayed"] == 100
     assert not status["backlog_estimated"] and status["sample"] is None
@@ -48,7 +49,7 @@ def test_estimated_above_the_threshold(db_url: str) -> None:
         row = conn.execute("SELECT pg_relation_size('staged_jobs') / 8192").fetchone()
         assert row is not None
         pages = int(row[0])
-        status = store.status(conn, 1, estimate_above=1000, sample_pages=pages // 2)
+        status = drain_status.read(conn, 1, estimate_above=1000, sample_pages=pages // 2)
     assert status["backlog_estimated"] is True
     assert status["backlog"] == 3000  # the statistics' estimate
     assert status["sample"]["percent"] == round(100.0 * (pages // 2) / pages, 3)
@@ -59,7 +60,7 @@ def test_estimated_above_the_threshold(db_url: str) -> None:
     assert status["oldest_age_seconds"] is not None  # from the index heads: always there
     # Below the threshold again: exact.
     with psycopg.connect(db_url, autocommit=True) as conn:
-        assert not store.status(conn, 1, estimate_above=3001)["backlog_estimated"]
+        assert not drain_status.read(conn, 1, estimate_above=3001)["backlog_estimated"]
 
 
 def _plan_nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:

@@ -37,6 +37,8 @@ CONTRACT_COUNTERS = {
     "drain_unroutable_total",
     "drain_nacked_total",
     "drain_reconnects_total",
+    "drain_unsettled_rows_total",
+    "drain_stale_batches_total",
 }
 CONTRACT_HISTOGRAMS = {
     "drain_batch_rows",

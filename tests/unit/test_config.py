@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import pytest
 
-from drain.config import (
-    Settings,
+from drain.config import Settings
+from drain.dead import format_duration, parse_duration
+from drain.errors import ConfigError
+from drain.urls import (
+    ScrubbingFormatter,
     broker_parameters,
+    database_conninfo,
     mask_database_url,
     mask_url,
     scrub,
+    secrets_of,
 )
-from drain.dead import format_duration, parse_duration
-from drain.errors import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -75,10 +81,153 @@ def test_settings_never_show_passwords() -> None:
 
 
 @pytest.mark.parametrize(
+    ("url", "masked"),
+    [
+        # One-letter passwords: only the password's characters are masked.
+        ("postgresql://app:a@a.example/a", "postgresql://app:***@a.example/a"),
+        ("postgresql://postgres:1@127.0.0.1:5431/d1", "postgresql://postgres:***@127.0.0.1:5431/d1"),
+        ("host=a user=a password=a dbname=a", "host=a user=a password=*** dbname=a"),
+        # libpq reads ':', '?', '#' and '[' in a password as written.
+        ("postgresql://app:p:s?s#w[@h/db", "postgresql://app:***@h/db"),
+        ("postgresql://app:pw@h/db?sslpassword=x&password=y&application_name=me@work",
+         "postgresql://app:***@h/db?sslpassword=***&password=***&application_name=me@work"),
+        ("postgresql://app@h1:5432,h2:5433/db", "postgresql://app@h1:5432,h2:5433/db"),
+        ("host=h password = 'a b\\' c' user=app", "host=h password = *** user=app"),
+        ("host=h password=a\\ b user=app sslpassword='x'",
+         "host=h password=*** user=app sslpassword=***"),
+        ("password=", "password=***"),
+    ],
+)
+def test_database_urls_are_masked_by_structure(url: str, masked: str) -> None:
+    assert database_conninfo(url) == url
+    assert mask_database_url(url) == masked
+
+
+@pytest.mark.parametrize(
+    ("url", "masked", "password"),
+    [
+        ("amqp://guest:g@g.example:5672/g", "amqp://guest:***@g.example:5672/g", "g"),
+        # kombu and urllib cut at the authority's last '@': so does drain.
+        ("amqp://guest:p@ss:w@h//", "amqp://guest:***@h//", "p@ss:w"),
+        ("amqp://guest:p%2Fs%23s@h//", "amqp://guest:***@h//", "p/s#s"),
+        ("amqp://guest:@h//", "amqp://guest:***@h//", None),
+    ],
+)
+def test_broker_urls_are_masked_by_structure(url: str, masked: str, password: str | None) -> None:
+    assert mask_url(url) == masked
+    assert broker_parameters(url).credentials.password == (password or "guest")
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("postgresql://app:Qz9@x#y/Qz9@127.0.0.1/db",
+         "'@' and '/' in the password must be percent-escaped as %40 and %2F"),
+        ("postgresql://app:Qz9/Qz9@127.0.0.1:5432/db", "'/' in the password must be"),
+        ("postgresql://me@corp:Qz9@h/db", "'@' in the user name must be percent-escaped as %40"),
+        ("postgresql://Qz9/my@db", "or, if the '@' belongs to the database name, write it as %40"),
+        ("postgresql://app:100%Qz9@h/db", "the password has a '%' that does not start"),
+        ("postgresql://app:Qz9 Qz9@h/db", "the password contains a space"),
+        ("postgresql://app:Qz9@h:notaport/db", "the port is not a number"),
+        ("postgresql://app:Qz9@h:99999/db", "the port is out of range"),
+        ("postgresql://app:Qz9@[::1/db", "the IPv6 address has no closing ']'"),
+        ("postgresql://app:Qz9@h/db?passwd=Qz9", "the 1st query parameter is not a libpq"),
+        ("postgresql://app:Qz9@h/db?Qz9", "the 1st query parameter has no '='"),
+        ("postgresql+psycopg2://app:Qz9@h/db", "not postgresql+psycopg2://"),
+        ("Postgresql://app:Qz9@h/db", "libpq's are lower case"),
+        ("host=h password='Qz9 Qz9 user=app", "the value of password has no closing quote"),
+        ("host=h password=Qz9 Qz9 user=app", "the 3rd item after the value of password has no '='"),
+        ("host=h password=Qz9 Qz9=x", "the 3rd item is not a libpq connection parameter"),
+        ("host=h Password=Qz9", "libpq's are lower case: password"),
+        ("Qz9 Qz9", "neither a postgresql:// URL nor key=value pairs"),
+    ],
+)
+def test_malformed_database_urls_name_the_part_not_the_text(url: str, reason: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        database_conninfo(url)
+    message = str(caught.value)
+    assert message.startswith("malformed database URL: ")
+    assert reason in message
+    assert "Qz9" not in message and "corp" not in message and "@h" not in message
+    assert "not shown" in mask_database_url(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("amqp://guest:a@b/c#d@127.0.0.1//", "'/' and '#' in the password must be percent-escaped"),
+        ("amqp://guest:Qz9#Qz9@h//", "'#' in the password must be percent-escaped as %23"),
+        ("amqp://guest:Qz9?Qz9@h//", "'?' in the password must be percent-escaped as %3F"),
+        ("amqp://guest:Qz9[Qz9@h//", "'[' in the password must be percent-escaped as %5B"),
+        ("amqp://guest:Qz9@h:5x//", "the port is not a number"),
+        ("amqp://guest:Qz9@h:70000//", "the port is out of range"),
+        ("guest:Qz9@h", "it must start with amqp:// or amqps://"),
+    ],
+)
+def test_malformed_broker_urls_name_the_part_not_the_text(url: str, reason: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        broker_parameters(url)
+    message = str(caught.value)
+    assert message.startswith("malformed broker URL: ") and reason in message
+    for fragment in ("Qz9", "b/c", "c#d", "://guest", "@h"):
+        assert fragment not in message
+    assert "not shown" in mask_url(url)
+
+
+def test_scrub_masks_urls_and_pairs_by_structure_and_only_long_secrets() -> None:
+    # A one-letter password is not searched for: nothing else is mangled.
+    s = Settings(database_url="postgresql://app:a@127.0.0.1/db")
+    assert s.secrets() == []
+    text = 'database postgresql://app:***@127.0.0.1/db unreachable: "a"'
+    assert scrub(text, s.secrets()) == text
+    # URLs and password= pairs in free text, whatever the password.
+    assert scrub('at "postgresql://u:p@ss/w@h/db" (x)', []) == 'at "postgresql://u:***@h/db" (x)'
+    assert scrub("amqp://guest:x@h// and password='a b' c", []) == (
+        "amqp://guest:***@h// and password=*** c")
+    assert scrub("failed: password authentication failed", []) == (
+        "failed: password authentication failed")
+    # Masked text stays as it is, query and all.
+    shown = "postgresql://app:***@h/db?password=***&application_name=me@work x"
+    assert scrub(shown, ["hunter22"]) == shown
+    # A password equal to the user name is shown as the user name is, not scrubbed.
+    assert secrets_of("postgresql://postgres:postgres@h/db") == []
+    assert secrets_of("", "amqp://guest:hunter22@h//") == ["hunter22"]
+    assert scrub("refused hunter22 and hunter2", ["hunter22", "hunter2"]) == (
+        "refused *** and ***")
+
+
+@pytest.mark.parametrize("url", ["postgresql://[", "amqp://[", "host='", "a=b=c", "://", "@:/"])
+def test_secrets_of_never_raises(url: str) -> None:
+    assert isinstance(secrets_of(url, url), list)
+
+
+def test_the_log_formatter_scrubs_messages_and_tracebacks() -> None:
+    formatter = ScrubbingFormatter("%(levelname)s %(message)s", ["hunter22"])
+
+    def fail() -> None:
+        raise ValueError("could not use postgresql://app:s3cr#t@h/db with hunter22")
+
+    try:
+        fail()
+    except ValueError:
+        record = logging.LogRecord("drain", logging.ERROR, __file__, 1,
+                                   "failed: %s", ("amqp://guest:p@w@h//",), sys.exc_info())
+    text = formatter.format(record)
+    assert "ERROR failed: amqp://guest:***@h//" in text
+    assert "postgresql://app:***@h/db with ***" in text
+    assert "s3cr" not in text and "hunter22" not in text and "p@w" not in text
+
+
+@pytest.mark.parametrize(
     ("field", "value", "fragment"),
     [
         ("batch_size", 0, "batch size"),
+        ("pipeline", 0, "pipeline"),
+        ("pipeline", 17, "pipeline"),
         ("poll_interval", 0, "poll interval"),
+        ("poll_interval", float("nan"), "poll interval"),
+        ("confirm_timeout", float("inf"), "confirm timeout"),
+        ("rescan_interval", float("nan"), "rescan interval"),
         ("lock_key", 2**63, "lock key"),
         ("queue_declare", "loud", "queue declare"),
         ("database_url", "host=x port", "malformed database URL"),
