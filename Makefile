@@ -7,12 +7,19 @@
 #   make test-unit  only tests/unit (needs no services)
 #   make lint       ruff check and mypy --strict
 #   make bench      every benchmark in order, then one summary table (bench/summary.py):
-#                   bench-profile (throughput + profile), bench-latency, bench-mvcc, bench-memory, bench-lanes,
+#                   bench-profile (throughput + profile), bench-latency, bench-staging
+#                   (concurrent writers, pgbench), bench-mvcc, bench-memory, bench-lanes,
 #                   bench-priority (starvation); each writes bench/results/<name>.json
 #   make bench-profile  the throughput bench plus one drain round under py-spy: where the
 #                   time goes (py-spy)
 #   make bench-spark  drain backfill on local Spark vs write.jdbc vs INSERT ... SELECT (1M rows)
-#   make soak       the chaos soak (SOAK_SECONDS=180 by default)
+#   make bench-smoke  every benchmark's --smoke mode, one after another: tiny sizes, seconds
+#                   each, no figures; checks they still work (make test runs them too, in
+#                   tests/bench); each writes bench/results/<name>-smoke.json
+#   make soak       the chaos soak (SOAK_SECONDS=180 by default), then the interleavings
+#                   and 30,000 commits raced against the drain going idle (test_wakeup)
+#   make soak-interleavings  the random-interleavings property test for SOAK_SECONDS (600
+#                   by default) instead of make test's 60; replay one with DRAIN_INTERLEAVING_SEED
 #   make clean      remove the venv and caches
 
 PYTHON ?= python3
@@ -24,9 +31,10 @@ BENCH_STAMP := $(VENV)/.bench-installed
 TEST_CMD := $(BIN)/python -m pytest
 ARGS ?=
 
-.PHONY: venv services demo test test-unit lint soak clean
+.PHONY: venv services demo test test-unit lint soak soak-interleavings clean
 .PHONY: bench bench-throughput bench-latency bench-mvcc bench-memory bench-lanes bench-priority
-.PHONY: bench-profile bench-spark bench-deps
+.PHONY: bench-staging bench-crashes bench-paused
+.PHONY: bench-profile bench-spark bench-deps bench-smoke
 
 venv: $(STAMP)
 
@@ -70,7 +78,8 @@ lint: venv
 # One at a time and in this order (they share 2 cores), whatever -j says. Results of an
 # earlier run are removed first, so the summary is this run's; a bench that fails shows
 # as "not run" and makes `make bench` fail after the summary.
-BENCHES := bench-profile bench-latency bench-mvcc bench-memory bench-lanes bench-priority
+BENCHES := bench-profile bench-latency bench-staging bench-mvcc bench-memory bench-lanes \
+	bench-priority bench-crashes bench-paused
 
 bench: services bench-deps
 	rm -f bench/results/*.json
@@ -86,14 +95,28 @@ bench-throughput: services bench-deps
 bench-latency: services bench-deps
 	$(BIN)/python bench/bench_latency.py
 
+# pgbench writers (8, 32, 64) against the shipped trigger, the old NOTIFY-per-statement
+# one and no trigger, a drain publishing throughout; writes docs/staging.png.
+bench-staging: services bench-deps
+	$(BIN)/python bench/bench_staging.py --docs-png
+
+# The plot compares both fetch strategies on ready jobs; the --mix run adds delayed and
+# expiring jobs to the keyset drain (its results go to mvcc-mix.json).
 bench-mvcc: services bench-deps
 	$(BIN)/python bench/bench_mvcc.py --docs-png
+	$(BIN)/python bench/bench_mvcc.py --mix --strategies keyset
 
 bench-memory: services bench-deps
 	$(BIN)/python bench/bench_memory.py
 
 bench-lanes: services bench-deps
 	$(BIN)/python bench/bench_lanes.py
+
+bench-crashes: services bench-deps
+	$(BIN)/python bench/bench_crashes.py
+
+bench-paused: services bench-deps
+	$(BIN)/python bench/bench_paused.py
 
 bench-priority: services bench-deps
 	$(BIN)/python bench/bench_priority.py
@@ -104,10 +127,33 @@ bench-profile: services bench-deps
 bench-spark: services venv
 	$(BIN)/python bench/bench_spark.py
 
+# Every bench's --smoke mode (what tests/bench/test_smoke.py runs), one at a time; a
+# failing one does not stop the others, and makes the target fail at the end.
+SMOKE_BENCHES := throughput latency staging mvcc memory lanes priority crashes paused spark
+
+bench-smoke: services venv
+	@status=0; for name in $(SMOKE_BENCHES); do \
+	  echo "== bench/bench_$$name.py --smoke"; \
+	  $(BIN)/python bench/bench_$$name.py --smoke \
+	    || { echo "make: bench/bench_$$name.py --smoke failed" >&2; status=1; }; \
+	done; \
+	exit $$status
+
 # The chaos soak (not part of `make test`): SOAK_SECONDS (default 180), SOAK_RATE,
-# SOAK_ROLLBACK, SOAK_FAULTS.
+# SOAK_ROLLBACK, SOAK_FAULTS; then the random interleavings for as long; then
+# SOAK_WAKEUP_RACES (default 30000) commits raced against the drain going idle.
 soak: services venv
 	$(BIN)/python -m tests.soak
+	DRAIN_INTERLEAVING_SECONDS=$${SOAK_SECONDS:-180} \
+	  $(TEST_CMD) -s tests/integration/test_interleavings.py $(ARGS)
+	DRAIN_WAKEUP_RACES=$${SOAK_WAKEUP_RACES:-30000} \
+	  $(TEST_CMD) -s tests/integration/test_wakeup.py -k raced $(ARGS)
+
+# tests/integration/test_interleavings.py for longer; its summary goes to
+# test-artifacts/interleavings.json.
+soak-interleavings: services venv
+	DRAIN_INTERLEAVING_SECONDS=$${SOAK_SECONDS:-600} \
+	  $(TEST_CMD) -s tests/integration/test_interleavings.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info

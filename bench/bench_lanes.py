@@ -1,7 +1,7 @@
 """Scale-out lanes: drain throughput with 1, 2 and 4 lanes, and where the CPU went.
 
     python bench/bench_lanes.py [--jobs 200000] [--lanes-list 1,2,4] [--batch-size 1000]
-                                [--no-raw] [--no-spread] [--wait-quiet SECONDS]
+                                [--no-raw] [--no-spread] [--wait-quiet SECONDS] [--smoke]
 
 Target 5: throughput for 1, 2 and 4 lanes; say where it stops scaling and why.
 
@@ -38,7 +38,10 @@ kept in the details as a timeline.
 
 The broker holds one round's messages at a time (~3.7 KB of broker memory
 each in a plain queue: ~0.75 GB for 200,000); its memory is checked first.
-Prints a table and writes bench/results/lanes.json. Never run by the tests.
+Prints a table and writes bench/results/lanes.json. Never run by the tests,
+except ``--smoke``: 3,000 jobs, 1 and 2 lanes, every kind of round, which
+checks that the bench works (the figures mean nothing) and writes
+bench/results/lanes-smoke.json.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ import psycopg
 
 import drain
 from drain import message
-from drain.config import broker_parameters
+from drain.urls import broker_parameters
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_memory import BROKER_BYTES_PER_MESSAGE, broker_memory
@@ -78,6 +81,7 @@ from bench_throughput import (
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "lanes.json"
+SMOKE_RESULTS = RESULTS.with_name("lanes-smoke.json")
 GOAL_JOBS = 200_000
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 CORES = os.cpu_count() or 1
@@ -736,9 +740,10 @@ def write_results(rounds: list[Round], args: argparse.Namespace, short: str, why
         else:
             parts.append(f"{r.lanes}: {r.rate:,.0f}/s ({r.rate / base:.2f}x)")
     size = "" if args.jobs >= GOAL_JOBS else f" [{args.jobs:,} jobs, not the goal's {GOAL_JOBS:,}]"
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "name": "lanes",
+    path = SMOKE_RESULTS if args.smoke else RESULTS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "name": "lanes-smoke" if args.smoke else "lanes",
         "summary": [{
             "target": "5. Scale-out lanes",
             "goal": "throughput for 1, 2, 4 lanes; say where it stops scaling and why",
@@ -769,7 +774,7 @@ def write_results(rounds: list[Round], args: argparse.Namespace, short: str, why
             } for r in rounds],
         },
     }, indent=1) + "\n")
-    print(f"wrote {RESULTS.relative_to(ROOT)}", file=sys.stderr)
+    print(f"wrote {path.relative_to(ROOT)}", file=sys.stderr)
 
 
 def lane_counts(text: str) -> list[int]:
@@ -804,7 +809,11 @@ def main() -> int:
                         "over N queues")
     parser.add_argument("--timeout", type=float, default=900.0,
                         help="give up on a round after this many seconds (default 900)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a tiny run (checks the bench works; no figures)")
     args = parser.parse_args()
+    if args.smoke:
+        args.jobs, args.lanes_list, args.baseline, args.timeout = 3000, [1, 2], 0.2, 120.0
 
     broker_before = broker_memory()
     need_mb = args.jobs * BROKER_BYTES_PER_MESSAGE / 1e6

@@ -1,7 +1,7 @@
 """Long-transaction immunity: fetch time and backlog while a snapshot is held open.
 
     python bench/bench_mvcc.py [--hold 600] [--baseline 60] [--after 30] [--rate 1000]
-                               [--strategies head,keyset] [--png PATH] [--docs-png]
+                               [--strategies head,keyset] [--png PATH] [--docs-png] [--smoke]
 
 For each fetch strategy ("head": the plain head-of-index fetch; "keyset": the
 drain's default, see drain/keyset.py), in a fresh database with a fresh queue:
@@ -31,7 +31,10 @@ within 2x its value without it (median of the hold's last minute against the
 baseline's median) and the backlog stays below two batches throughout.
 
 Writes bench/results/mvcc.json, a PNG (bench/results/mvcc.png; also
-docs/mvcc.png with --docs-png) and prints a table. Never run by the tests.
+docs/mvcc.png with --docs-png) and prints a table. Never run by the tests,
+except ``--smoke``: a few seconds per phase at 200 jobs/s, which checks that
+the bench works (the figures mean nothing) and writes
+bench/results/mvcc-smoke.json and mvcc-smoke.png (never docs/mvcc.png).
 """
 
 from __future__ import annotations
@@ -57,8 +60,9 @@ import pika
 import psycopg
 
 import drain
-from drain.config import Settings, broker_parameters
+from drain.config import Settings
 from drain.runner import Drain, State
+from drain.urls import broker_parameters
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_throughput import (
@@ -92,8 +96,14 @@ COLORS = {"head": "tab:red", "keyset": "tab:blue"}
 # -- the stager (a separate process: it must not take the drain's GIL) -------------------
 
 
+#: --mix: job i is staged with MIX[i % 3] (countdown, expires): ready; delayed
+#: 0.2 s; delayed 1 s and expiring after 0.5 s (moved to dead_jobs, never sent).
+MIX: list[tuple[float | None, float | None]] = [(None, None), (0.2, None), (1.0, 0.5)]
+NO_MIX: tuple[float | None, float | None] = (None, None)
+
+
 def stager(*, url: str, queue: str, rate: float, max_per_commit: int, go: Event, stop: Event,
-           counters: Any, slot: int) -> None:
+           counters: Any, slot: int, mix: bool = False) -> None:
     """Commit ``rate`` jobs/s until ``stop``: ``counters[2 * slot]`` counts the jobs
     committed, ``counters[2 * slot + 1]`` the transactions.
 
@@ -117,10 +127,15 @@ def stager(*, url: str, queue: str, rate: float, max_per_commit: int, go: Event,
                 continue
             with conn.transaction():
                 if n == 1:
-                    drain.stage(conn, TASK, args=[staged], queue=queue)
+                    countdown, expires = MIX[staged % 3] if mix else NO_MIX
+                    drain.stage(conn, TASK, args=[staged], queue=queue,
+                                countdown=countdown, expires=expires)
                 else:
-                    drain.stage_many(conn, [drain.Job(TASK, [staged + i], queue=queue)
-                                            for i in range(n)])
+                    timing = [MIX[(staged + i) % 3] if mix else NO_MIX for i in range(n)]
+                    drain.stage_many(conn, [
+                        drain.Job(TASK, [staged + i], queue=queue, countdown=countdown,
+                                  expires=expires)
+                        for i, (countdown, expires) in enumerate(timing)])
             staged += n
             commits += 1
             counters[2 * slot + 1] = commits
@@ -139,7 +154,7 @@ class Stagers:
             ctx.Process(target=stager, name=f"mvcc-stager-{i}", kwargs={
                 "url": url, "queue": queue, "rate": args.rate / self.n,
                 "max_per_commit": args.max_per_commit, "go": self.go, "stop": self.stop,
-                "counters": self.counters, "slot": i})
+                "counters": self.counters, "slot": i, "mix": args.mix})
             for i in range(self.n)
         ]
 
@@ -179,6 +194,8 @@ class Run:
     after: float
     #: (t, fetch seconds, rows) per fetch, appended by the drain thread.
     fetches: list[tuple[float, float, int]] = dataclasses.field(default_factory=list)
+    #: (t, expire query seconds, rows moved) per expire query (drain thread).
+    expires: list[tuple[float, float, int]] = dataclasses.field(default_factory=list)
     #: (t, jobs committed, jobs confirmed)
     backlog: list[tuple[float, int, int]] = dataclasses.field(default_factory=list)
     #: (t, n_dead_tup, n_live_tup, ready index bytes, holder holds a snapshot)
@@ -194,12 +211,13 @@ class Run:
     ended: float = 0.0
 
 
-def make_drain(url: str, strategy: str, batch_size: int,
+def make_drain(url: str, strategy: str, batch_size: int, *,
                on_fetch: Callable[[float, int], None],
-               on_cycle: Callable[[int, int], None]) -> Drain:
+               on_cycle: Callable[[int, int], None],
+               on_expire: Callable[[float, int], None]) -> Drain:
     settings = Settings(database_url=url, broker_url=BROKER_URL, batch_size=batch_size,
                         fetch_strategy=strategy)
-    return Drain(settings, on_fetch=on_fetch, on_cycle=on_cycle)
+    return Drain(settings, on_fetch=on_fetch, on_cycle=on_cycle, on_expire=on_expire)
 
 
 class Purger:
@@ -327,9 +345,14 @@ def run_strategy(strategy: str, args: argparse.Namespace) -> Run:
     def on_cycle(_attempted: int, done: int) -> None:
         confirmed[0] += done
 
+    def on_expire(seconds: float, rows: int) -> None:
+        run.expires.append((time.monotonic() - clock["t0"], seconds, rows))
+        confirmed[0] += rows  # dead-lettered (--mix): gone from the backlog too
+
     try:
         stagers.start()
-        runner = make_drain(url, strategy, args.batch_size, on_fetch, on_cycle)
+        runner = make_drain(url, strategy, args.batch_size, on_fetch=on_fetch,
+                            on_cycle=on_cycle, on_expire=on_expire)
         thread = threading.Thread(target=runner.run, name=f"drain-{strategy}", daemon=True)
         thread.start()
         deadline = time.monotonic() + 30
@@ -384,8 +407,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a is not None and b else None
 
 
-def fetch_stats(run: Run, lo: float, hi: float) -> dict[str, Any]:
-    window = [(s, n) for t, s, n in run.fetches if lo <= t < hi]
+def fetch_stats(run: Run, lo: float, hi: float, *, expires: bool = False) -> dict[str, Any]:
+    window = [(s, n) for t, s, n in (run.expires if expires else run.fetches) if lo <= t < hi]
     ms = [s * 1000 for s, _ in window]
     rows = [n for _, n in window if n]
     return {
@@ -410,6 +433,8 @@ def summarize(run: Run, batch_size: int) -> dict[str, Any]:
         phases[name] = fetch_stats(run, lo, hi)
         phases[name]["backlog_max"] = backlog_max(run, lo, hi)
     ratio_p50 = ratio(phases["hold_last"]["p50_ms"], phases["baseline"]["p50_ms"])
+    expire_phases = {name: fetch_stats(run, lo, hi, expires=True)
+                     for name, (lo, hi) in bounds.items()}
     worst = backlog_max(run, 0.0, end)
     held = [snap for t, *_, snap in run.dead if h0 < t < h1]
     dead_max = max((d for _, d, *_ in run.dead), default=0)
@@ -420,6 +445,9 @@ def summarize(run: Run, batch_size: int) -> dict[str, Any]:
         "strategy": run.strategy,
         "phases": phases,
         "ratio_p50": ratio_p50,
+        "expire": expire_phases,
+        "expire_ratio_p50": ratio(expire_phases["hold_last"]["p50_ms"],
+                                  expire_phases["baseline"]["p50_ms"]),
         "ratio_p95": ratio(phases["hold_last"]["p95_ms"], phases["baseline"]["p95_ms"]),
         "backlog_max": worst,
         "backlog_limit": 2 * batch_size,
@@ -541,6 +569,31 @@ def verdict(results: dict[str, dict[str, Any]], hold: float) -> tuple[str, bool 
     return text, True if hold >= GOAL_HOLD - 1.0 else None
 
 
+def with_expire(args: argparse.Namespace, goal: str, measured: str,
+                results: dict[str, Any]) -> tuple[str, str]:
+    """With --mix, the summary row names the expire query's ratio too."""
+    if not args.mix:
+        return goal, measured
+    return (goal + "; with delayed and expiring jobs (--mix), the expire query's too",
+            measured + "; expire query " + ", ".join(
+                f"{fmt(r['expire_ratio_p50'])}x" for r in results.values()))
+
+
+def result_name(args: argparse.Namespace) -> str:
+    """bench/results/<this>.json and .png: a smoke run and a --mix run keep their own."""
+    return "mvcc-smoke" if args.smoke else "mvcc-mix" if args.mix else "mvcc"
+
+
+def print_expire(r: dict[str, Any]) -> None:
+    """The expire query's times, when it ran (with --mix it finds rows to move)."""
+    e = r["expire"]
+    if e["baseline"]["fetches"]:
+        print(f"  expire query p50: baseline {fmt(e['baseline']['p50_ms'])} ms, hold's last "
+              f"minute {fmt(e['hold_last']['p50_ms'])} ms ({fmt(r['expire_ratio_p50'])}x), "
+              f"p95 {fmt(e['baseline']['p95_ms'])} -> {fmt(e['hold_last']['p95_ms'])} ms; "
+              f"{e['hold_last']['fetches']} queries in the last minute")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hold", type=float,
@@ -557,11 +610,24 @@ def main() -> int:
     parser.add_argument("--max-per-commit", type=int, default=10,
                         help="rows one stager transaction may take when behind schedule")
     parser.add_argument("--batch-size", type=int, default=1000)
+    parser.add_argument("--mix", action="store_true",
+                        help="stage a third of the jobs delayed 0.2 s and a third delayed 1 s "
+                        "and expiring after 0.5 s (dead-lettered): the delayed fetch and the "
+                        "expire query under the held snapshot too")
     parser.add_argument("--strategies", default=",".join(STRATEGIES),
                         help="comma-separated, from: " + ", ".join(STRATEGIES))
     parser.add_argument("--png", default=os.path.join(RESULTS, "mvcc.png"))
     parser.add_argument("--docs-png", action="store_true", help=f"also write {DOCS_PNG}")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a tiny run (checks the bench works; no figures)")
     args = parser.parse_args()
+    if args.smoke:
+        # The hold spans t = 5 s, where the dead tuples (and the holder's snapshot) are
+        # sampled (every DEAD_EVERY seconds).
+        args.baseline, args.hold, args.after, args.rate, args.stagers = 3.0, 3.0, 1.0, 200.0, 1
+        args.docs_png = False
+    if args.png == parser.get_default("png"):
+        args.png = os.path.join(RESULTS, f"{result_name(args)}.png")
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = set(strategies) - set(STRATEGIES)
     if unknown or not strategies:
@@ -598,6 +664,7 @@ def main() -> int:
               f"(goal <= {GOAL_RATIO:g}x), p95 {r['ratio_p95']}x; backlog max "
               f"{r['backlog_max']:,} (goal < {r['backlog_limit']:,}); dead tuples up to "
               f"{r['dead_tuples_max']:,}; snapshot held: {r['snapshot_held']}")
+        print_expire(r)
         print(f"  {args.stagers} stager(s): {r['committed']:,} jobs in {r['commits']:,} "
               f"transactions ({r['rows_per_commit']} rows per commit; 1 when on schedule), "
               f"{r['stager_rate']:,.0f} jobs/s achieved; drain confirmed {r['confirmed']:,}")
@@ -620,10 +687,12 @@ def main() -> int:
             shutil.copyfile(pngs[0], path)
         print("wrote " + ", ".join(pngs))
     os.makedirs(RESULTS, exist_ok=True)
+    name = result_name(args)
+    goal, measured = with_expire(args, goal, measured, results)
     out = {
-        "name": "mvcc",
+        "name": name,
         "summary": [{"target": "3. Long-transaction immunity", "goal": goal,
-                     "measured": measured, "met": met}],
+                     "measured": measured, "met": None if args.smoke else met}],
         "details": {
             "rate": args.rate, "batch_size": args.batch_size, "baseline_s": args.baseline,
             "hold_s": round(hold, 1), "after_s": args.after,
@@ -632,7 +701,7 @@ def main() -> int:
             "series": {run.strategy: series(run) for run in runs},
         },
     }
-    path = os.path.join(RESULTS, "mvcc.json")
+    path = os.path.join(RESULTS, f"{name}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {path}")
