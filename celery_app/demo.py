@@ -38,7 +38,7 @@ import psycopg
 from psycopg import conninfo, sql
 
 import drain
-from drain import config
+from drain import config, urls
 
 ADMIN_URL = os.environ.get(
     "DRAIN_DEMO_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -95,7 +95,7 @@ def recreate_database(url: str) -> None:
             admin.execute(sql.SQL("CREATE DATABASE {}").format(name))
     except psycopg.OperationalError as exc:
         raise DemoFailed(
-            f"cannot use Postgres at {config.mask_database_url(ADMIN_URL)}: "
+            f"cannot use Postgres at {urls.mask_database_url(ADMIN_URL)}: "
             f"{str(exc).strip().splitlines()[0]} (is it running? try `make services`)"
         ) from None
     migrate = subprocess.run(
@@ -122,10 +122,10 @@ def child_env(url: str) -> dict[str, str]:
 
 def broker() -> Any:
     try:
-        return pika.BlockingConnection(config.broker_parameters(BROKER_URL))
+        return pika.BlockingConnection(urls.broker_parameters(BROKER_URL))
     except pika.exceptions.AMQPError as exc:
         raise DemoFailed(
-            f"cannot connect to RabbitMQ at {config.mask_url(BROKER_URL)}: {exc!r} "
+            f"cannot connect to RabbitMQ at {urls.mask_url(BROKER_URL)}: {exc!r} "
             "(is it running? try `make services`)"
         ) from None
 
@@ -366,8 +366,8 @@ def report_search_index(conn: psycopg.Connection[Any]) -> None:
 
 def run_demo(url: str, logs: Path, children: list[Child]) -> str:
     print("drain demo")
-    print(f"  database  {DATABASE} at {config.mask_database_url(ADMIN_URL)}")
-    print(f"  broker    {config.mask_url(BROKER_URL)}, queue {QUEUE}")
+    print(f"  database  {DATABASE} at {urls.mask_database_url(ADMIN_URL)}")
+    print(f"  broker    {urls.mask_url(BROKER_URL)}, queue {QUEUE}")
     recreate_database(url)
     reset_queue()
     print(f"  recreated database {DATABASE}, applied `drain migrate`, emptied queue {QUEUE}")
