@@ -292,4 +292,61 @@ else
         "test will skip"
 fi
 
+# -- pgbouncer (tests/acceptance/test_pgbouncer.py): Debian's pgbouncer package ------------
+# Optional: never fails this script; without it those tests skip, saying why (and fail under
+# CI=true where root could have installed it). Only the binary is wanted: the tests start
+# PgBouncers of their own on free ports. The package's service must neither start while apt
+# installs it (a policy-rc.d answering 101, as for prometheus) nor at boot (disabled
+# afterwards); if it started anyway, nothing of it may be left answering on :6432.
+pgbouncer_binary() {
+    command -v pgbouncer || { [[ -x /usr/sbin/pgbouncer ]] && echo /usr/sbin/pgbouncer; }
+}
+
+pgbouncer_listening() { probe 127.0.0.1 6432 '\x00\x00\x00\x08\x04\xd2\x16\x2f' '[SN]'; }
+
+install_pgbouncer() {
+    local policy=/usr/sbin/policy-rc.d ours=0 was_listening=0 ok=0
+    if pgbouncer_listening; then
+        was_listening=1
+    fi
+    if [[ ! -e $policy ]]; then
+        trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+        printf '#!/bin/sh\n# drain ensure-services.sh: no service starts while apt runs\nexit 101\n' \
+            >"$policy"
+        chmod 755 "$policy"
+        ours=1
+    fi
+    apt_install pgbouncer || ok=1
+    if ((ours)); then
+        rm -f "$policy"
+        trap - EXIT
+    fi
+    if command -v systemctl >/dev/null; then
+        systemctl disable pgbouncer >/dev/null 2>&1 || true
+    fi
+    if command -v update-rc.d >/dev/null; then
+        update-rc.d pgbouncer disable >/dev/null 2>&1 || true
+    fi
+    if ((was_listening == 0)) && pgbouncer_listening; then
+        say "pgbouncer: the package started its service on :6432; stopping it"
+        invoke-rc.d pgbouncer stop >/dev/null 2>&1 || service pgbouncer stop >/dev/null 2>&1 \
+            || systemctl stop pgbouncer >/dev/null 2>&1 || true
+    fi
+    return "$ok"
+}
+
+if PGBOUNCER=$(pgbouncer_binary); then
+    say "pgbouncer: $("$PGBOUNCER" --version 2>&1 | head -n 1)"
+elif can_apt_install; then
+    say "pgbouncer: missing; installing Debian's pgbouncer package with apt-get"
+    if install_pgbouncer && PGBOUNCER=$(pgbouncer_binary); then
+        say "pgbouncer: installed $("$PGBOUNCER" --version 2>&1 | head -n 1)"
+    else
+        say "pgbouncer: apt-get install pgbouncer failed; the PgBouncer tests will skip"
+    fi
+else
+    say "pgbouncer: MISSING (install Debian's pgbouncer package as root); the PgBouncer" \
+        "tests will skip"
+fi
+
 exit "$status"

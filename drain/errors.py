@@ -40,6 +40,11 @@ class BrokerUnavailable(DrainError):
     """RabbitMQ cannot be reached, refused the login, or the connection died."""
 
 
+class BrokerBlocked(DrainError):
+    """RabbitMQ blocks the connection (a memory or disk alarm): nothing failed,
+    the confirms of what was sent come once the alarm clears."""
+
+
 class BrokerRefused(BrokerUnavailable):
     """RabbitMQ answered but refused the login or the vhost."""
 
@@ -64,6 +69,17 @@ class QueueDeclareRefused(BrokerUnavailable):
 
 class LaneConflict(DrainError):
     """Drains split in a different number of lanes run on the same lock key."""
+
+
+class ReadOnlyStandby(DrainError):
+    """The database is a hot standby (in recovery): the drain waits, connected,
+    until it is promoted (drain.failover)."""
+
+
+class PoolWithoutSession(ConfigError):
+    """The drain's database URL leads through a pool that does not keep a session
+    (PgBouncer in transaction or statement mode): its advisory lock, LISTEN and
+    batches would not stay on one backend. Fatal, never retried (drain.session_probe)."""
 
 
 class BatchConflict(DrainError):
