@@ -97,8 +97,14 @@ def index_annotation(self: Task, conn: psycopg.Connection[Any], annotation_id: i
     _record(self, (), {"annotation_id": annotation_id}, conn)
 
 
-@app.task(bind=True, name="celery_app.record")
+@app.task(bind=True, name="celery_app.record", autoretry_for=(psycopg.OperationalError,),
+          retry_backoff=1, retry_backoff_max=4, max_retries=30)
 def record(self: Task, *args: Any, **kwargs: Any) -> None:
-    """Do nothing but record that it ran, with what."""
+    """Do nothing but record that it ran, with what.
+
+    Retried (same task id) while the database is unreachable: during a primary
+    failover its connection dies and there is no primary for a moment; the
+    next attempt connects afresh, to whichever server the URL leads to now.
+    """
     conn = _conn()
     _record(self, args, kwargs, conn)
