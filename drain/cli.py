@@ -127,6 +127,14 @@ def _add_run_parser(sub: Any) -> None:
         metavar="SECONDS",
         help="abandon a batch (rows stay staged) when the broker has not confirmed it by then",
     )
+    options.add(
+        p, "--db-timeout", env="DRAIN_DB_TIMEOUT", default=30.0,
+        parse=options.Number(whole=False, low=0.1, high=86400),
+        metavar="SECONDS",
+        help="Postgres's statement_timeout for the drain's session; a command unanswered "
+        "5 s after it (a hung server or pooler) makes the drain abandon the connection, "
+        "reconnect and take the lock again or stand by",
+    )
     p.add_argument(
         "--queue-declare",
         choices=("celery", "passive"),
@@ -429,6 +437,7 @@ def cmd_processed_purge(args: argparse.Namespace) -> int:
 def _settings(args: argparse.Namespace, **overrides: Any) -> config.Settings:
     values: dict[str, Any] = {"database_url": args.database_url}
     for name in ("broker_url", "batch_size", "pipeline", "poll_interval", "confirm_timeout",
+                 "db_timeout",
                  "queue_declare", "lock_key", "queue_max_priority", "max_message_size",
                  "fetch_strategy", "rescan_interval", "lanes", "lane"):
         if hasattr(args, name):

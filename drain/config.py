@@ -54,6 +54,12 @@ class Settings:
     lock_key: int = DEFAULT_LOCK_KEY
     #: Seconds to wait for the broker to confirm a batch before abandoning it.
     confirm_timeout: float = 30.0
+    #: Seconds Postgres may take over one of the drain's commands: the
+    #: session's ``statement_timeout``. A command still unanswered
+    #: ``ANSWER_GRACE`` seconds later means the server, or a pooler or network
+    #: path in front of it, hangs: the drain abandons that connection
+    #: (``Drain._watch``).
+    db_timeout: float = 30.0
     #: How queues are declared: "celery" (durable, no arguments, like Celery's
     #: defaults) or "passive" (only check that the queue exists).
     queue_declare: str = "celery"
@@ -93,6 +99,9 @@ class Settings:
         if not (math.isfinite(self.rescan_interval) and self.rescan_interval >= 0):
             raise ConfigError(
                 f"rescan interval must be 0 (never) or positive, got {self.rescan_interval}")
+        if not 0.1 <= self.db_timeout <= 86400:
+            raise ConfigError(
+                f"database timeout must be from 0.1 to 86400 s, got {self.db_timeout}")
         if self.batch_size < 1:
             raise ConfigError(f"batch size must be at least 1, got {self.batch_size}")
         if not 1 <= self.pipeline <= MAX_PIPELINE:
@@ -142,6 +151,7 @@ class Settings:
             f"database={mask_database_url(self.database_url)} "
             f"broker={mask_url(self.broker_url)} batch_size={self.batch_size} "
             f"pipeline={self.pipeline} poll_interval={self.poll_interval}s "
+            f"db_timeout={self.db_timeout:g}s "
             f"lock_key={self.lock_key} "
             f"queue_declare={self.queue_declare} queue_max_priority={self.queue_max_priority} "
             f"max_message_size={self.max_message_size} fetch={self.fetch_strategy}"

@@ -104,6 +104,9 @@ class Metrics:
             "drain_last_cycle_timestamp_seconds",
             "Unix time of the last successful cycle (0: none yet).")
         self.up = gauge("drain_up", "1 while the drain loop runs.")
+        self.broker_blocked = gauge(
+            "drain_broker_blocked", "1 while the broker blocks this drain's publishing "
+            "(a RabbitMQ memory or disk alarm); jobs stay staged meanwhile.")
         # Sampled.
         self.backlog = gauge(
             "drain_backlog_rows", "Staged rows (sampled; an estimate when "

@@ -48,7 +48,7 @@ import pika.exceptions
 from pika.adapters.select_connection import SelectConnection
 
 from drain.amqp import EncodedProperties
-from drain.errors import BrokerRefused, BrokerUnavailable, QueueDeclareRefused
+from drain.errors import BrokerBlocked, BrokerRefused, BrokerUnavailable, QueueDeclareRefused
 from drain.message import Message
 from drain.urls import scrub
 
@@ -166,6 +166,9 @@ class Publisher:
         self._low = 1
         #: The highest delivery tag any ack or nack has named on this channel.
         self._confirmed_up_to = 0
+        #: Why the broker blocks this connection (a resource alarm), or None.
+        self.blocked: str | None = None
+        self._blocked_since = 0.0
 
     # -- connection -----------------------------------------------------------
 
@@ -185,6 +188,7 @@ class Publisher:
         self._low = 1
         self._confirmed_up_to = 0
         self._generation += 1
+        self.blocked = None  # a new connection starts unblocked; the broker says if not
         try:
             self._conn = SelectConnection(
                 self._parameters,
@@ -192,6 +196,8 @@ class Publisher:
                 on_open_error_callback=self._on_connection_open_error,
                 on_close_callback=self._on_connection_closed,
             )
+            self._conn.add_on_connection_blocked_callback(self._on_blocked)
+            self._conn.add_on_connection_unblocked_callback(self._on_unblocked)
         except Exception as exc:
             raise BrokerUnavailable(f"broker at {self._display_url}: {self._text(exc)}") from None
         finished = self._run_until(
@@ -293,15 +299,27 @@ class Publisher:
         """
         self._inflight = []
 
-    def wait(self, batch: Batch, timeout: float | None = None) -> PublishResult:
+    def wait(
+        self, batch: Batch, timeout: float | None = None, *, until_blocked: bool = False
+    ) -> PublishResult:
         """Wait for ``batch``'s confirms (up to ``timeout``, default the confirm
-        timeout) and report them."""
+        timeout) and report them.
+
+        With ``until_blocked``, a broker that blocks the connection (a resource
+        alarm) ends the wait early with :class:`BrokerBlocked` and leaves the batch
+        in flight: the broker has stopped reading, not lost anything, and its
+        confirms come once the alarm clears. The confirm timeout counts from the
+        next wait, so a long alarm never makes the drain abandon the batch."""
         n = len(batch.status)
         limit = self._confirm_timeout if timeout is None else min(timeout, self._confirm_timeout)
         current = batch.generation == self._generation and self._conn is not None
         finished = current and self._run_until(
-            lambda: batch.resolved >= n or self._failure is not None, limit
+            lambda: (batch.resolved >= n or self._failure is not None
+                     or (until_blocked and self.blocked is not None)), limit
         )
+        if (until_blocked and current and self.blocked is not None
+                and batch.resolved < n and self._failure is None):
+            raise BrokerBlocked(self.blocked)
         error: BrokerUnavailable | None = None
         if not current:
             error = BrokerUnavailable(
@@ -349,7 +367,8 @@ class Publisher:
         exists with other arguments, 404 for a missing queue in passive mode).
         Declares go through a channel of their own, which a refusal closes, so
         the publishing channel and the batches in flight are not disturbed.
-        Raises :class:`BrokerUnavailable` when the connection itself fails.
+        Raises :class:`BrokerUnavailable` when the connection itself fails, and
+        :class:`BrokerBlocked` when the broker blocks it before answering.
         """
         refused: dict[str, str] = {}
         for queue in sorted(queues - self._declared):
@@ -369,9 +388,12 @@ class Publisher:
                 callback=on_declared,
             )
             def answered(answer: dict[str, str] = answer) -> bool:
-                return bool(answer) or self._declare_channel is None or self._failure is not None
+                return (bool(answer) or self._declare_channel is None
+                        or self._failure is not None or self.blocked is not None)
 
             self._run_until(answered, self._connect_timeout)
+            if not answer and self._failure is None and self.blocked is not None:
+                raise BrokerBlocked(self.blocked)  # the answer comes after the alarm
             if "ok" in answer:
                 self._declared.add(queue)
             elif self._failure is not None:
@@ -430,6 +452,25 @@ class Publisher:
             self._failure = self._text(exc)
         self._ready = False
         self._wake()
+
+    def _on_blocked(self, _conn: Any, frame: Any) -> None:
+        self._set_blocked(str(getattr(frame.method, "reason", "") or "a resource alarm"))
+        self._wake()
+
+    def _on_unblocked(self, _conn: Any, _frame: Any) -> None:
+        self._set_blocked(None)
+        self._wake()
+
+    def _set_blocked(self, reason: str | None) -> None:
+        """Note (and say once) that the broker blocks or unblocks this connection."""
+        if reason is not None and self.blocked is None:
+            self._blocked_since = time.monotonic()
+            log.warning("broker at %s blocks publishing: %s (a resource alarm); waiting for "
+                        "it to clear, jobs stay staged", self._display_url, reason)
+        elif reason is None and self.blocked is not None:
+            log.warning("broker at %s unblocked after %.1fs: publishing again",
+                        self._display_url, time.monotonic() - self._blocked_since)
+        self.blocked = reason
 
     def _on_channel_open(self, channel: Any) -> None:
         self._channel = channel

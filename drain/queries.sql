@@ -387,3 +387,20 @@ ORDER BY 1;
 
 -- name: set_application_name
 SELECT set_config('application_name', %(name)s, false);
+
+-- name: in_recovery
+-- A hot standby (drain.failover): it refuses LISTEN and every write until promoted.
+SELECT pg_is_in_recovery();
+
+-- name: backend_identity
+-- This session's backend: its pid and start time, which together name it
+-- even after the pid is reused (Store.abandon, end_abandoned).
+SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid();
+
+-- name: end_abandoned
+-- End a session this drain abandoned because it stopped answering (a hung
+-- path keeps it, and the lock it holds, alive on the server). Only that very
+-- backend: same pid and start time. OFFSET 0 keeps the filter before the call.
+SELECT pg_terminate_backend(pid)
+FROM (SELECT pid FROM pg_stat_activity
+      WHERE pid = %(pid)s AND backend_start = %(started)s OFFSET 0) AS abandoned;

@@ -43,6 +43,7 @@ from drain import keyset, message, reachable, wakeup
 from drain.config import Settings
 from drain.errors import (
     BatchConflict,
+    BrokerBlocked,
     BrokerRefused,
     BrokerUnavailable,
     DatabaseRefused,
@@ -50,6 +51,7 @@ from drain.errors import (
     DrainError,
     LaneConflict,
     QueueDeclareRefused,
+    ReadOnlyStandby,
 )
 from drain.message import StagedRow
 from drain.metrics import Metrics
@@ -65,22 +67,33 @@ SETTLE_TIMEOUT = 3.0
 HEADS_INTERVAL = 0.25
 #: Seconds between two looks for expired rows while none are found.
 EXPIRE_INTERVAL = 1.0
+#: Seconds between two looks at a broker that blocks publishing (Drain._blocked).
+BLOCKED_LOOK = 0.25
 #: Seconds between two looks of the watchdog at the loop (Drain._watch).
-WATCH_INTERVAL = 1.0
+WATCH_INTERVAL = 0.5
+#: Seconds past the statement timeout after which a command's answer will not
+#: come: the connection is abandoned (Drain._watch, Store.abandon).
+ANSWER_GRACE = 5.0
 #: A batch fetched longer ago than this (the process was paused, a declare
 #: hung) is published only after one round trip proves the session, and so the
 #: lock, is still there: a standby may have taken over meanwhile.
 STALE_FETCH = 1.0
 
 
+def answer_bound(settings: Settings) -> float:
+    """Seconds a command may go unanswered before its connection is abandoned:
+    the session's statement timeout (``--db-timeout``) plus ANSWER_GRACE."""
+    return settings.db_timeout + ANSWER_GRACE
+
+
 def stuck_after(settings: Settings) -> float:
     """Seconds without a turn of the loop after which it counts as stuck (/healthz,
     the watchdog): the longest single wait it is configured for (a confirm wait,
-    the idle poll, the standby interval or a retry's backoff), plus 30 s, the
-    statement timeout the drain's session sets."""
+    the idle poll, the standby interval or a retry's backoff), plus the longest
+    a database command may take (:func:`answer_bound`)."""
     longest = max(settings.confirm_timeout, settings.poll_interval,
                   settings.standby_interval, settings.max_backoff)
-    return longest + 30.0
+    return longest + answer_bound(settings)
 
 
 class State(enum.Enum):
@@ -89,6 +102,7 @@ class State(enum.Enum):
     STANDBY = "standby"
     ACTIVE = "active"
     BROKER_DOWN = "broker down"
+    BROKER_BLOCKED = "broker blocked"
     STOPPING = "stopping"
 
 
@@ -234,17 +248,27 @@ class Drain:
             os.close(self._wake_w)
 
     def _watch(self, done: threading.Event) -> None:
-        """Say when the loop stops turning, and when it turns again.
+        """Abandon a database connection that stopped answering; say when the loop
+        stops turning, and when it turns again.
 
-        Every wait of the loop has a bound except one: a Postgres (or a pooler in
+        Every wait of the loop has a bound but one: a Postgres (or a pooler in
         front of it) that keeps the connection open and never answers. Postgres's
         own timeouts cannot help when the command never reached it, and TCP
-        keepalives pass while the other end is up. The loop then blocks, still
-        holding the lock; this says so in the log (and /healthz fails, and
-        DrainStalled pages) until the answer comes or the process is restarted.
+        keepalives pass while the other end is up. The statement timeout bounds
+        every command the drain sends, so a command unanswered ANSWER_GRACE
+        seconds after it is given up (Store.abandon): the loop sees a lost
+        connection, reconnects, ends the abandoned backend if it lives on behind
+        the hang, and takes the lock again or stands by. Anything else that stops
+        the loop is only reported (and /healthz fails, and DrainStalled pages).
         """
+        bound = answer_bound(self.settings)
         stuck_since: float | None = None
         while not done.wait(WATCH_INTERVAL):
+            waited = self._store.abandon(bound)
+            if waited is not None:
+                log.error("Postgres has not answered a command for %.1fs (statement timeout "
+                          "%gs + %gs): abandoning the connection; the batch's rows stay "
+                          "staged", waited, self.settings.db_timeout, ANSWER_GRACE)
             beat = self._heartbeat
             if stuck_since is None and time.monotonic() - beat >= self.stuck_after:
                 stuck_since = beat
@@ -280,10 +304,11 @@ class Drain:
         except DatabaseUnavailable as exc:
             self._database_lost(exc)
             return
-        except LaneConflict as exc:
-            if str(exc) != self._lane_conflict:
+        except (LaneConflict, ReadOnlyStandby) as exc:
+            if str(exc) != self._lane_conflict:  # said once, not per attempt
                 self._lane_conflict = str(exc)
-                log.warning("standby: %s; waiting until they stop", exc)
+                log.warning("standby: %s; waiting %s", exc, "until they stop"
+                            if isinstance(exc, LaneConflict) else "for it to be promoted")
             self.state = State.STANDBY
             self._sleep(self.settings.standby_interval)
             return
@@ -302,6 +327,8 @@ class Drain:
             self.state = State.ACTIVE
 
     def _step(self) -> None:
+        if self._blocked():
+            return
         started = time.perf_counter()
         try:
             count = self._cycle()
@@ -331,6 +358,31 @@ class Drain:
             self._wakeup.busy()
         except DatabaseUnavailable as exc:
             self._database_lost(exc)
+
+    def _blocked(self) -> bool:
+        """While the broker blocks publishing (a resource alarm), publish nothing
+        new and keep listening to it; True while blocked.
+
+        The batches in flight stay in flight: the broker stopped reading, it did
+        not lose them, and their confirms come when the alarm clears. Waiting
+        outside any transaction keeps the lock and holds no snapshot; the loop
+        keeps turning (``/healthz`` stays alive) and there is no reconnecting,
+        so the broker sees no storm. ``drain_broker_blocked`` says why nothing
+        is published; publishing resumes within ``BLOCKED_LOOK`` of the alarm
+        clearing.
+        """
+        blocked = self._publisher.blocked is not None
+        self.metrics.broker_blocked.set(1 if blocked else 0)
+        if not blocked:
+            if self.state is State.BROKER_BLOCKED:
+                self.state = State.ACTIVE
+            return False
+        self.state = State.BROKER_BLOCKED
+        try:
+            self._publisher.pump(BLOCKED_LOOK)
+        except BrokerUnavailable as exc:
+            self._broker_lost(exc)
+        return True
 
     def _cycle(self) -> int:
         """One transaction: publish a new batch, settle the oldest one in flight.
@@ -364,22 +416,16 @@ class Drain:
                         current = self._start(rows, doomed)
                     except BrokerUnavailable as exc:
                         start_error = exc
+                    except BrokerBlocked:
+                        pass  # nothing published: the rows stay staged (see _blocked)
                     else:
                         if current is not None:
                             pending.append(current)
                     self.metrics.publish_seconds.observe(time.perf_counter() - publishing)
                 # On the way out, do not keep a stalled broker's batch for the whole
                 # confirm timeout: abandoning it is safe (its rows stay staged).
-                settle = SETTLE_TIMEOUT if self._stopping else None
-                while pending and (
-                    len(pending) >= self.settings.pipeline or len(rows) < limit
-                    or start_error or any(r.error for r in results)
-                ):
-                    # The oldest batch, to keep at most pipeline - 1 in flight. All
-                    # of them when no backlog is left (nothing would follow to overlap
-                    # with, so a lone job takes one transaction), or when the
-                    # connection failed (collect what was confirmed before that).
-                    results.append(self._wait(pending.pop(0), settle))
+                self._collect(pending, results, everything=len(rows) < limit or bool(start_error),
+                              timeout=SETTLE_TIMEOUT if self._stopping else None)
                 confirmed = [row_id for r in results for row_id in r.confirmed]
                 deleted = self._store.delete(confirmed) if confirmed else 0
                 if doomed:
@@ -407,6 +453,24 @@ class Drain:
             raise error
         return max(len(rows), expired)
 
+    def _collect(self, pending: list[Batch], results: list[PublishResult], *,
+                 everything: bool, timeout: float | None) -> None:
+        """Wait for the oldest batches' confirms, into ``results``.
+
+        Down to pipeline - 1 batches in flight; all of them with ``everything``
+        (no backlog left: nothing would follow to overlap with, so a lone job
+        takes one transaction; or publishing failed) or once a batch's
+        connection failed (collect what was confirmed before that). A broker
+        that blocks publishing ends the wait: the rest stays in flight.
+        """
+        while pending and (everything or len(pending) >= self.settings.pipeline
+                           or any(r.error for r in results)):
+            try:
+                results.append(self._wait(pending[0], timeout))
+            except BrokerBlocked:
+                return  # in flight until the alarm clears: see _blocked
+            pending.pop(0)
+
     def _expire_and_fetch(self, exclude: list[int], limit: int) -> tuple[int, list[StagedRow]]:
         """Move expired rows to dead_jobs (when due), then fetch the next batch."""
         expired = 0
@@ -425,10 +489,10 @@ class Drain:
         return expired, self._fetch(limit, exclude)
 
     def _wait(self, batch: Batch, timeout: float | None = None) -> PublishResult:
-        """Wait for a batch's confirms, timed."""
+        """Wait for a batch's confirms, timed; BrokerBlocked if the broker blocks first."""
         started = time.perf_counter()
         try:
-            return self._publisher.wait(batch, timeout)
+            return self._publisher.wait(batch, timeout, until_blocked=True)
         finally:
             self.metrics.confirm_seconds.observe(time.perf_counter() - started)
 
@@ -537,7 +601,10 @@ class Drain:
         due = {queue for queue, (until, _, _) in self._paused.items() if until <= now}
         if not due:
             return
-        refused = self._publisher.declare(due)
+        try:
+            refused = self._publisher.declare(due)
+        except BrokerBlocked:
+            return  # tried again after the alarm
         for queue in sorted(due):
             if queue in refused:
                 refusal = QueueDeclareRefused(queue, refused[queue], self.settings.queue_declare)

@@ -16,6 +16,8 @@ import os
 import re
 import select
 import socket
+import threading
+import time
 import zlib
 from collections.abc import Iterator
 
@@ -25,7 +27,7 @@ from psycopg import conninfo
 from psycopg import sql as psql
 from psycopg.pq import TransactionStatus
 
-from drain import keyset, sql, wakeup
+from drain import failover, keyset, sql, wakeup
 from drain.config import Settings
 from drain.errors import (
     BatchConflict,
@@ -33,9 +35,11 @@ from drain.errors import (
     DatabaseUnavailable,
     DrainError,
     LaneConflict,
+    ReadOnlyStandby,
     SchemaMissing,
 )
 from drain.message import StagedRow
+from drain.session_probe import check as check_session
 from drain.url_parts import first_line
 from drain.urls import mask_database_url, scrub
 
@@ -95,6 +99,18 @@ class Store:
         self.armed = False
         self._wake: dict[str, object] = {"class": wakeup.WAKE_CLASS, "key": 0}
         self._joined = False
+        #: When the last command was sent (time.monotonic()): with
+        #: :attr:`waiting`, how long the server has owed an answer (abandon()).
+        self.asked_at = 0.0
+        #: Held while the connection is closed, so that abandon() never shuts a
+        #: socket whose descriptor was closed and handed to another one.
+        self._closing = threading.Lock()
+        #: This session's backend (pid, start), and the ones abandoned while they
+        #: may still hold the lock on the server (ended at the next connect).
+        self._backend: tuple[object, object] | None = None
+        self._abandoned: list[tuple[object, object]] = []
+        #: Connected to a hot standby: no LISTEN, no lock until it is promoted.
+        self.in_recovery = False
 
     @property
     def connected(self) -> bool:
@@ -115,10 +131,16 @@ class Store:
         # The batch transaction is open while the broker confirms, so the idle
         # timeout must outlast the confirm timeout.
         idle_timeout = int((settings.confirm_timeout + 30) * 1000)
-        session = {**SESSION_SETTINGS, "idle_in_transaction_session_timeout": str(idle_timeout)}
+        session = {
+            **SESSION_SETTINGS,
+            "idle_in_transaction_session_timeout": str(idle_timeout),
+            "statement_timeout": f"{round(settings.db_timeout * 1000)}ms",
+            "lock_timeout": f"{round(min(settings.db_timeout, 10.0) * 1000)}ms",
+        }
         # Client-side defaults only where the user's URL does not choose otherwise.
         given = conninfo.conninfo_to_dict(settings.database_url)
-        client = {k: v for k, v in CLIENT_DEFAULTS.items() if k not in given}
+        client: dict[str, str | int] = {k: v for k, v in CLIENT_DEFAULTS.items() if k not in given}
+        client.update(failover.client_defaults(given))
         try:
             dsn = conninfo.make_conninfo(
                 settings.database_url,
@@ -135,9 +157,12 @@ class Store:
             raise self._unavailable("unreachable", exc) from None
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         self._conn = conn
+        self.asked_at = time.monotonic()  # the set-up commands below
         self.holds_lock = False
         self._joined = False
         try:
+            # Refuses a pool that does not keep sessions (fatal), before LISTEN and the lock.
+            check_session(conn, dsn, self._display, self._secrets)
             conn.execute(
                 "SELECT " + ", ".join("set_config(%s, %s, false)" for _ in session),
                 [item for pair in session.items() for item in pair],
@@ -153,8 +178,14 @@ class Store:
                     f"database {self._display} has an older drain schema (no wake flag, "
                     "sequence drain_wake): run `drain migrate`"
                 )
-            conn.execute(sql.query("listen"))
+            # A hot standby refuses LISTEN; try_lock waits for its promotion.
+            self.in_recovery = self._ask("in_recovery")
+            if not self.in_recovery:
+                conn.execute(sql.query("listen"))
             self._wake = {"class": wakeup.WAKE_CLASS, "key": table}
+            identity = self._execute("backend_identity").fetchone()
+            self._backend = (identity[0], identity[1]) if identity else None
+            self._end_abandoned()
         except psycopg.Error as exc:
             self.close()
             raise self._unavailable("failed", exc) from None
@@ -167,12 +198,51 @@ class Store:
         if self.armed and self._conn is not None and not self._conn.closed:
             with contextlib.suppress(Exception):  # or the next leader does it
                 self._conn.execute(sql.query("lower_flag"))
-        conn, self._conn = self._conn, None
-        self.holds_lock = False
-        self.armed = False
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
+        with self._closing:
+            conn, self._conn = self._conn, None
+            self.holds_lock = False
+            self.armed = False
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.close()
+
+    def abandon(self, bound: float) -> float | None:
+        """From the watchdog thread: when the server has owed the answer to a
+        command for ``bound`` seconds or more, give the connection up; returns how
+        long it waited (None: nothing done).
+
+        The statement timeout bounds every command the drain sends, so an answer
+        this late will not come: the server, or a pooler or network path in
+        front of it, hangs. Shutting the socket down ends the loop's wait with a
+        lost connection, and the loop reconnects. Whatever the hung session was
+        doing can no longer commit from this side: rows are deleted only by a
+        commit this process sends, so nothing unconfirmed is deleted, and
+        confirmed rows whose delete did not commit are published again (same
+        task ids). The abandoned backend may live on behind the hang, holding
+        the lock: the next connect ends it (``end_abandoned``).
+        """
+        with self._closing:
+            conn = self._conn
+            if conn is None or conn.closed or not self.waiting:
+                return None
+            waited = time.monotonic() - self.asked_at
+            if waited < bound:
+                return None
+            if self._backend is not None:
+                self._abandoned.append(self._backend)
+            with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as s:
+                s.shutdown(socket.SHUT_RDWR)
+            return waited
+
+    def _end_abandoned(self) -> None:
+        """End the backends of sessions this process abandoned, if they live on."""
+        while self._abandoned:
+            pid, started = self._abandoned[0]
+            ended = self._execute("end_abandoned", {"pid": pid, "started": started}).fetchall()
+            self._abandoned.pop(0)
+            if ended:
+                log.warning("ended this drain's abandoned session (backend pid %s): it was "
+                            "still open behind the hang, holding the lock", pid)
 
     def application_name(self, leader_since: dt.datetime | None) -> str:
         """What ``drain status`` shows: ``drain pid=N host=H [since=EPOCH]`` (63 bytes max)."""
@@ -187,9 +257,12 @@ class Store:
     def try_lock(self) -> bool:
         """Take the advisory lock (this lane's, with lanes) if it is free (never waits).
 
-        Raises LaneConflict while drains split in another number of lanes run.
+        Raises LaneConflict while drains split in another number of lanes run,
+        ReadOnlyStandby while the database is a hot standby.
         """
         settings = self._settings
+        if self.in_recovery:
+            self._promoted()
         if not self._joined:
             guard = lane_guard(settings.lock_key)
             self._execute("join_lanes", {"guard": guard, "lanes": settings.lanes})
@@ -218,6 +291,18 @@ class Store:
             self._reset_wake_flag()  # a leader that died armed left it raised
         return self.holds_lock
 
+    def _promoted(self) -> None:
+        """On a hot standby: raise ReadOnlyStandby until it is promoted, then LISTEN.
+
+        Its advisory locks are its own, unseen on the primary: never lock there.
+        """
+        if self._ask("in_recovery"):
+            raise ReadOnlyStandby(
+                f"database {self._display} is a read-only standby (in recovery)")
+        self._execute("listen")
+        self.in_recovery = False
+        log.info("database %s was promoted: it accepts writes now", self._display)
+
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """A REPEATABLE READ transaction; commits on success, rolls back on error."""
@@ -226,8 +311,12 @@ class Store:
         # forget those notifications, or each would cost an empty cycle later.
         self._notified(conn)
         try:
+            self.asked_at = time.monotonic()  # BEGIN
             with conn.transaction():
-                yield
+                try:
+                    yield
+                finally:
+                    self.asked_at = time.monotonic()  # COMMIT or ROLLBACK
         except psycopg.Error as exc:
             # A row of the batch updated or deleted by someone else meanwhile
             # (REPEATABLE READ), or a deadlock, rolls the transaction back and
@@ -393,6 +482,7 @@ class Store:
     ) -> psycopg.Cursor[tuple[object, ...]]:
         conn = self._require()
         try:
+            self.asked_at = time.monotonic()
             return conn.execute(sql.query(name), params)
         except psycopg.errors.InsufficientPrivilege as exc:
             raise DrainError(
@@ -423,7 +513,7 @@ class Store:
 
     def _unavailable(self, what: str, exc: BaseException) -> DatabaseUnavailable:
         return DatabaseUnavailable(
-            f"database {self._display} {what}: {scrub(first_line(exc), self._secrets)}"
+            f"database {self._display} {what}: {scrub(failover.describe(exc), self._secrets)}"
         )
 
 

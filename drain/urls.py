@@ -284,9 +284,14 @@ def database_conninfo(dsn: str) -> str:
 
 
 def broker_parameters(
-    url: str, *, heartbeat: int = 30, blocked_connection_timeout: float = 30.0
+    url: str, *, heartbeat: int = 30, blocked_connection_timeout: float | None = None
 ) -> pika.ConnectionParameters:
     """Build pika parameters from a Celery-style broker URL.
+
+    ``blocked_connection_timeout`` stays off for the drain: a broker in a
+    resource alarm blocks every publisher, so closing and reopening the
+    connection would only add a reconnect storm to its trouble (the drain waits
+    for the alarm to clear instead, see ``Drain._blocked``).
 
     Celery users paste ``amqp://guest:guest@host:5672//``: the path after the
     first slash is the vhost, so ``//`` means the vhost ``/`` and an empty path

@@ -12,6 +12,7 @@ import psycopg
 import pytest
 
 from drain import store
+from tests import broker_alarm as alarm
 from tests import support
 
 
@@ -98,3 +99,13 @@ def start_pipeline(spawn):  # type: ignore[no-untyped-def]
         return runner, worker
 
     return _start
+
+
+@pytest.fixture
+def broker_alarm() -> Iterator[None]:
+    """For tests that raise a RabbitMQ memory alarm (tests/broker_alarm.py): the
+    alarm is broker-wide, so clear it after the test whatever happened."""
+    try:
+        yield
+    finally:
+        alarm.clear_alarm()

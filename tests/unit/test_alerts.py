@@ -53,6 +53,7 @@ CONTRACT_GAUGES = {
     "drain_lanes",
     "drain_last_cycle_timestamp_seconds",
     "drain_up",
+    "drain_broker_blocked",
     "drain_backlog_rows",
     "drain_backlog_estimated",
     "drain_backlog_group_rows",
@@ -133,6 +134,12 @@ MUTATIONS = {
         "sum by (job) (drain_lock_held) < max by (job) (drain_lanes)\n        for: 0m",
     ),
     "stall alert on standbys too": ("          and\n          (drain_lock_held == 1)\n", ""),
+    "stall alert during a broker alarm": (
+        "          unless on(job, instance)\n          (drain_broker_blocked == 1)\n", ""),
+    "broker alarm alert without its grace period": (
+        "max by (job) (drain_broker_blocked) == 1\n        for: 2m",
+        "max by (job) (drain_broker_blocked) == 1\n        for: 0m",
+    ),
 }
 
 

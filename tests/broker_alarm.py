@@ -1,0 +1,63 @@
+"""A real RabbitMQ memory alarm for tests, always cleared afterwards.
+
+``rabbitmqctl set_vm_memory_high_watermark`` to a tiny fraction makes the broker
+raise its memory alarm at once: it blocks every connection that publishes
+(``connection.blocked``) until the watermark is raised again. The alarm is
+broker-wide, so a test must never leave it behind: :func:`memory_alarm` clears
+it in a ``finally``, and the ``broker_alarm`` fixture (tests/conftest.py) clears
+it again after the test whatever happened. Clearing restores the watermark the
+broker is *configured* with (``application:get_env``), not the one in force
+when the test began, so a run killed mid-alarm is mended by the next one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+from collections.abc import Iterator
+
+from tests import support
+
+#: A fraction of the machine's memory the broker is always above.
+TINY = "0.000001"
+
+
+def _rabbitmqctl(*args: str) -> str:
+    result = subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, text=True,
+                            timeout=60, check=False, stdin=subprocess.DEVNULL)
+    if result.returncode != 0:
+        raise AssertionError(f"rabbitmqctl {' '.join(args)} failed: {result.stderr.strip()}")
+    return result.stdout.strip()
+
+
+def alarms() -> str:
+    """The broker's alarms now, as Erlang terms ("[]" when none)."""
+    return _rabbitmqctl("eval", "rabbit_alarm:get_alarms().")
+
+
+def configured_watermark() -> str:
+    """The watermark of the broker's configuration (0.4 unless configured)."""
+    text = _rabbitmqctl("eval", "application:get_env(rabbit, vm_memory_high_watermark).")
+    match = re.fullmatch(r"\{ok,\s*([0-9.]+)\}", text)
+    return match.group(1) if match else "0.4"
+
+
+def raise_alarm() -> None:
+    _rabbitmqctl("set_vm_memory_high_watermark", TINY)
+    support.wait_for(lambda: "memory" in alarms(), 30, "the broker's memory alarm")
+
+
+def clear_alarm() -> None:
+    _rabbitmqctl("set_vm_memory_high_watermark", configured_watermark())
+    support.wait_for(lambda: "memory" not in alarms(), 30, "the memory alarm to clear")
+
+
+@contextlib.contextmanager
+def memory_alarm() -> Iterator[None]:
+    """A memory alarm for the ``with`` block, cleared on the way out."""
+    raise_alarm()
+    try:
+        yield
+    finally:
+        clear_alarm()
