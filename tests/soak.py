@@ -9,8 +9,11 @@ in small transactions, a share of them rolled back (SOAK_ROLLBACK, default
 Postgres. Two drains reach Postgres and RabbitMQ through TCP proxies: one
 active, one standby. Every few seconds the fault injector
 picks a fault at random: kill -9 the drain holding the lock, SIGTERM it, cut
-the drains' database or broker connections, or stall the broker for a
-few seconds (SOAK_FAULTS, a comma-separated subset, chooses among them).
+the drains' database or broker connections, stall the broker for a
+few seconds, hang the drains' database connections for 2-12 s (past the
+drains' 2 s statement timeout + 5 s, they give them up), or raise a real
+RabbitMQ memory alarm for 2-8 s (SOAK_FAULTS, a comma-separated subset,
+chooses among them).
 Killed drains are restarted.
 
 At the end it waits for the backlog to drain and checks that every committed
@@ -36,9 +39,10 @@ import drain
 from drain import status as drain_status
 from drain import store
 from drain.config import Settings
-from tests import support
+from tests import broker_alarm, support
 
-FAULTS = ["kill -9", "sigterm", "cut database", "cut broker", "stall broker"]
+FAULTS = ["kill -9", "sigterm", "cut database", "cut broker", "stall broker", "hang database",
+          "broker alarm"]
 
 
 class Soak:
@@ -88,7 +92,8 @@ class Soak:
             CELERY_APP_DATABASE_URL=self.url,
         )
         return self.spawn(
-            support.drain_argv("run", "--poll-interval", "0.5", "--confirm-timeout", "5"),
+            support.drain_argv("run", "--poll-interval", "0.5", "--confirm-timeout", "5",
+                               "--db-timeout", "2"),
             "drain", env)
 
     def lock_holder(self) -> int | None:
@@ -99,6 +104,7 @@ class Soak:
         return next((i for i, p in enumerate(self.drains) if p.pid == pid), None)
 
     def teardown(self) -> None:
+        broker_alarm.clear_alarm()  # whatever the injector was doing when it stopped
         for proc in self.procs:
             proc.kill(signal.SIGKILL)
             proc.wait(10)
@@ -146,6 +152,13 @@ class Soak:
                 self.pg_proxy.cut()
             elif kind == "cut broker":
                 self.amqp_proxy.cut()
+            elif kind == "hang database":
+                self.pg_proxy.stall(new_connections=False)
+                self.stop.wait(rng.uniform(2.0, 12.0))
+                self.pg_proxy.resume()
+            elif kind == "broker alarm":
+                with broker_alarm.memory_alarm():
+                    self.stop.wait(rng.uniform(2.0, 8.0))
             else:
                 self.amqp_proxy.stall()
                 self.stop.wait(rng.uniform(2.0, 8.0))
