@@ -6,7 +6,7 @@ Stages a backfill of N priority -10 rows (one INSERT ... SELECT), starts the
 drain, and once it is busy publishing the backlog, commits one priority 10 job
 at a time and measures the time from its COMMIT to the moment the drain
 publishes its message, and to the moment its row is gone (confirmed by the
-broker and deleted, which the drain does one cycle later: see Drain._cycle).
+broker and deleted, which the drain does one cycle later: see drain.pipeline).
 Prints each sample, the median
 and maximum, and what the same job would wait in a first-in-first-out drain
 (the backlog ahead of it divided by the measured rate). Never run by the tests,
@@ -86,14 +86,14 @@ def main() -> int:
                                     batch_size=args.batch_size))
             # Note when the drain builds (and at once sends) a message for a watched row.
             published_at: dict[int, float] = {}
-            build = runner._builder.build
+            build = runner.pipeline.builder.build
 
             def watching_build(row: message.StagedRow, now: float | None = None) -> Any:
                 if row.priority > 0:
                     published_at.setdefault(row.id, time.perf_counter())
                 return build(row, now)
 
-            runner._builder.build = watching_build  # type: ignore[method-assign]
+            runner.pipeline.builder.build = watching_build  # type: ignore[method-assign]
             thread = threading.Thread(target=runner.run, daemon=True)
             thread.start()
             # Let the drain get going on the backlog first.

@@ -58,7 +58,7 @@ class Settings:
     #: session's ``statement_timeout``. A command still unanswered
     #: ``ANSWER_GRACE`` seconds later means the server, or a pooler or network
     #: path in front of it, hangs: the drain abandons that connection
-    #: (``Drain._watch``).
+    #: (drain.watchdog).
     db_timeout: float = 30.0
     #: How queues are declared: "celery" (durable, no arguments, like Celery's
     #: defaults) or "passive" (only check that the queue exists).

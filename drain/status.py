@@ -16,7 +16,8 @@ import psycopg
 from drain import sql
 from drain.config import Settings
 from drain.errors import DatabaseUnavailable, DrainError, SchemaMissing
-from drain.store import connect_plain, lane_class, lane_guard
+from drain.session import connect_plain
+from drain.store import lane_class, lane_guard
 from drain.url_parts import first_line
 from drain.urls import scrub
 

@@ -1,5 +1,8 @@
 """The drain's side of Postgres: one session holding the lock, the batches, LISTEN.
 
+The connection itself (settings, commands, a hang) is drain.session's; this
+module adds what the drain does with it.
+
 Everything runs on one connection on purpose. The advisory lock, the
 REPEATABLE READ batch transaction and the LISTEN all belong to the same
 session, so losing that session ends the batch (it rolls back) and frees the
@@ -12,247 +15,67 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
-import os
-import re
-import select
-import socket
-import threading
 import time
 import zlib
 from collections.abc import Iterator
 
 import psycopg
 import psycopg.errors
-from psycopg import conninfo
 from psycopg import sql as psql
 from psycopg.pq import TransactionStatus
 
-from drain import failover, keyset, sql, wakeup
+from drain import keyset, sql, wakeup
 from drain.config import Settings
-from drain.errors import (
-    BatchConflict,
-    DatabaseRefused,
-    DatabaseUnavailable,
-    DrainError,
-    LaneConflict,
-    ReadOnlyStandby,
-    SchemaMissing,
-)
+from drain.errors import BatchConflict, LaneConflict, ReadOnlyStandby, SchemaMissing
 from drain.message import StagedRow
-from drain.session_probe import check as check_session
+from drain.session import Session, rolled_back
 from drain.url_parts import first_line
-from drain.urls import mask_database_url, scrub
+from drain.urls import scrub
 
 log = logging.getLogger(__name__)
 
-#: Server-side settings of the drain's own session. It must never become the
-#: long transaction that stops vacuum for everyone else, and the server must
-#: notice a vanished drain quickly so that the lock is released for a standby.
-#: ``synchronous_commit=off`` is safe here: the drain's transactions only
-#: delete rows already confirmed by the broker, so a commit lost in a Postgres
-#: crash brings those rows back and they are published again with the same
-#: task ids: a duplicate, never a loss. It spares a WAL flush per batch.
-#: libpq options for the drain's connection, unless its URL sets them itself.
-CLIENT_DEFAULTS = {
-    "connect_timeout": 5,
-    "keepalives": 1,
-    "keepalives_idle": 5,
-    "keepalives_interval": 2,
-    "keepalives_count": 3,
-}
 
-#: ``enable_seqscan`` / ``enable_bitmapscan`` off: the drain's queries must walk
-#: their indexes in order and stop at LIMIT. A queue table changes faster than
-#: its statistics (a fresh backlog of a million rows looks empty to the
-#: planner until autoanalyze runs), and a plan that reads the whole backlog and
-#: sorts it costs O(backlog) per batch; measured: 13 ms instead of 0.9 ms per
-#: fetch at 40,000 rows, growing with the backlog. ``plan_cache_mode`` for the
-#: same reason: psycopg prepares a statement after a few runs, and Postgres's
-#: generic plan for the fetch (array sizes and LIMIT unknown) cost ~20 ms per
-#: batch in a live drain against ~2 ms for the custom one (planning: ~1 ms).
-SESSION_SETTINGS = {
-    "synchronous_commit": "off",
-    "enable_seqscan": "off",
-    "enable_bitmapscan": "off",
-    "plan_cache_mode": "force_custom_plan",
-    "statement_timeout": "30s",
-    "lock_timeout": "10s",
-    "tcp_keepalives_idle": "5",
-    "tcp_keepalives_interval": "2",
-    "tcp_keepalives_count": "3",
-    "tcp_user_timeout": "10000",
-}
-
-
-class Store:
-    """One Postgres session of a drain process."""
+class Store(Session):
+    """The drain's session: the lock, the batches, the wake flag."""
 
     def __init__(self, settings: Settings) -> None:
-        self._settings = settings
-        self._secrets = settings.secrets()
-        self._conn: psycopg.Connection[tuple[object, ...]] | None = None
-        self._display = mask_database_url(settings.database_url)
-        self.holds_lock = False
+        super().__init__(settings)
         #: The ``lanes``/``lane`` parameters of every query that reads this lane's rows.
         self._lane: dict[str, int] = {"lanes": settings.lanes, "lane": settings.lane}
         #: This session raised the wake flag (drain.wakeup): the drain is idle.
         self.armed = False
         self._wake: dict[str, object] = {"class": wakeup.WAKE_CLASS, "key": 0}
         self._joined = False
-        #: When the last command was sent (time.monotonic()): with
-        #: :attr:`waiting`, how long the server has owed an answer (abandon()).
-        self.asked_at = 0.0
-        #: Held while the connection is closed, so that abandon() never shuts a
-        #: socket whose descriptor was closed and handed to another one.
-        self._closing = threading.Lock()
-        #: This session's backend (pid, start), and the ones abandoned while they
-        #: may still hold the lock on the server (ended at the next connect).
-        self._backend: tuple[object, object] | None = None
-        self._abandoned: list[tuple[object, object]] = []
         #: Connected to a hot standby: no LISTEN, no lock until it is promoted.
         self.in_recovery = False
 
-    @property
-    def connected(self) -> bool:
-        return self._conn is not None and not self._conn.closed
-
-    @property
-    def waiting(self) -> bool:
-        """A command was sent and its answer has not come yet. Read by the loop's
-        watchdog thread: it only looks at libpq's connection status."""
-        conn = self._conn
-        return (conn is not None and not conn.closed
-                and conn.info.transaction_status == TransactionStatus.ACTIVE)
-
-    def connect(self) -> None:
-        """Connect, check the schema, LISTEN. Raises DatabaseUnavailable / SchemaMissing."""
-        self.close()
-        settings = self._settings
-        # The batch transaction is open while the broker confirms, so the idle
-        # timeout must outlast the confirm timeout.
-        idle_timeout = int((settings.confirm_timeout + 30) * 1000)
-        session = {
-            **SESSION_SETTINGS,
-            "idle_in_transaction_session_timeout": str(idle_timeout),
-            "statement_timeout": f"{round(settings.db_timeout * 1000)}ms",
-            "lock_timeout": f"{round(min(settings.db_timeout, 10.0) * 1000)}ms",
-        }
-        # Client-side defaults only where the user's URL does not choose otherwise.
-        given = conninfo.conninfo_to_dict(settings.database_url)
-        client: dict[str, str | int] = {k: v for k, v in CLIENT_DEFAULTS.items() if k not in given}
-        client.update(failover.client_defaults(given))
-        try:
-            dsn = conninfo.make_conninfo(
-                settings.database_url,
-                application_name=self.application_name(leader_since=None),
-                **client,
-            )
-            conn = psycopg.connect(dsn, autocommit=True)
-        except psycopg.Error as exc:
-            if _REFUSALS.search(str(exc)):
-                raise DatabaseRefused(
-                    f"database {self._display} refused the connection: "
-                    f"{scrub(_server_message(exc), self._secrets)}"
-                ) from None
-            raise self._unavailable("unreachable", exc) from None
-        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-        self._conn = conn
-        self.asked_at = time.monotonic()  # the set-up commands below
-        self.holds_lock = False
+    def _prepare(self, conn: psycopg.Connection[tuple[object, ...]]) -> None:
+        """Check the schema and LISTEN (SchemaMissing when it is not there)."""
         self._joined = False
-        try:
-            # Refuses a pool that does not keep sessions (fatal), before LISTEN and the lock.
-            check_session(conn, dsn, self._display, self._secrets)
-            conn.execute(
-                "SELECT " + ", ".join("set_config(%s, %s, false)" for _ in session),
-                [item for pair in session.items() for item in pair],
+        present = conn.execute(sql.query("schema_present")).fetchone()
+        table, wake_flag = present if present else (None, False)
+        if table is None:
+            raise SchemaMissing(
+                f"database {self._display} has no staged_jobs table: run `drain migrate` first"
             )
-            present = conn.execute(sql.query("schema_present")).fetchone()
-            table, wake_flag = present if present else (None, False)
-            if table is None:
-                raise SchemaMissing(
-                    f"database {self._display} has no staged_jobs table: run `drain migrate` first"
-                )
-            if not wake_flag:
-                raise SchemaMissing(
-                    f"database {self._display} has an older drain schema (no wake flag, "
-                    "sequence drain_wake): run `drain migrate`"
-                )
-            # A hot standby refuses LISTEN; try_lock waits for its promotion.
-            self.in_recovery = self._ask("in_recovery")
-            if not self.in_recovery:
-                conn.execute(sql.query("listen"))
-            self._wake = {"class": wakeup.WAKE_CLASS, "key": table}
-            identity = self._execute("backend_identity").fetchone()
-            self._backend = (identity[0], identity[1]) if identity else None
-            self._end_abandoned()
-        except psycopg.Error as exc:
-            self.close()
-            raise self._unavailable("failed", exc) from None
-        except DrainError:
-            self.close()
-            raise
+        if not wake_flag:
+            raise SchemaMissing(
+                f"database {self._display} has an older drain schema (no wake flag, "
+                "sequence drain_wake): run `drain migrate`"
+            )
+        # A hot standby refuses LISTEN; try_lock waits for its promotion.
+        self.in_recovery = self._ask("in_recovery")
+        if not self.in_recovery:
+            conn.execute(sql.query("listen"))
+        self._wake = {"class": wakeup.WAKE_CLASS, "key": table}
 
     def close(self) -> None:
         """Close the session; this also releases the locks and rolls back a batch."""
         if self.armed and self._conn is not None and not self._conn.closed:
             with contextlib.suppress(Exception):  # or the next leader does it
                 self._conn.execute(sql.query("lower_flag"))
-        with self._closing:
-            conn, self._conn = self._conn, None
-            self.holds_lock = False
-            self.armed = False
-            if conn is not None:
-                with contextlib.suppress(Exception):
-                    conn.close()
-
-    def abandon(self, bound: float) -> float | None:
-        """From the watchdog thread: when the server has owed the answer to a
-        command for ``bound`` seconds or more, give the connection up; returns how
-        long it waited (None: nothing done).
-
-        The statement timeout bounds every command the drain sends, so an answer
-        this late will not come: the server, or a pooler or network path in
-        front of it, hangs. Shutting the socket down ends the loop's wait with a
-        lost connection, and the loop reconnects. Whatever the hung session was
-        doing can no longer commit from this side: rows are deleted only by a
-        commit this process sends, so nothing unconfirmed is deleted, and
-        confirmed rows whose delete did not commit are published again (same
-        task ids). The abandoned backend may live on behind the hang, holding
-        the lock: the next connect ends it (``end_abandoned``).
-        """
-        with self._closing:
-            conn = self._conn
-            if conn is None or conn.closed or not self.waiting:
-                return None
-            waited = time.monotonic() - self.asked_at
-            if waited < bound:
-                return None
-            if self._backend is not None:
-                self._abandoned.append(self._backend)
-            with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as s:
-                s.shutdown(socket.SHUT_RDWR)
-            return waited
-
-    def _end_abandoned(self) -> None:
-        """End the backends of sessions this process abandoned, if they live on."""
-        while self._abandoned:
-            pid, started = self._abandoned[0]
-            ended = self._execute("end_abandoned", {"pid": pid, "started": started}).fetchall()
-            self._abandoned.pop(0)
-            if ended:
-                log.warning("ended this drain's abandoned session (backend pid %s): it was "
-                            "still open behind the hang, holding the lock", pid)
-
-    def application_name(self, leader_since: dt.datetime | None) -> str:
-        """What ``drain status`` shows: ``drain pid=N host=H [since=EPOCH]`` (63 bytes max)."""
-        name = f"drain pid={os.getpid()}"
-        if self._settings.lanes > 1:
-            name += f" lane={self._settings.lane}/{self._settings.lanes}"
-        if leader_since is not None:
-            name += f" since={int(leader_since.timestamp())}"
-        name += f" host={socket.gethostname()}"
-        return name.encode()[:63].decode("utf-8", "ignore")
+        self.armed = False
+        super().close()
 
     def try_lock(self) -> bool:
         """Take the advisory lock (this lane's, with lanes) if it is free (never waits).
@@ -322,7 +145,7 @@ class Store:
             # (REPEATABLE READ), or a deadlock, rolls the transaction back and
             # leaves the session, with its lock, fine: the next batch starts
             # afresh. Anything else, or a session not back to idle, is lost.
-            if (not _rolled_back(exc) or conn.closed
+            if (not rolled_back(exc) or conn.closed
                     or conn.info.transaction_status != TransactionStatus.IDLE):
                 self.close()
                 raise self._unavailable("lost", exc) from None
@@ -391,13 +214,6 @@ class Store:
         return (None if delayed is None else str(delayed),
                 None if expiring is None else str(expiring), int(xmin))  # type: ignore[call-overload]
 
-    def alive(self) -> None:
-        """Prove the session (and so the lock it holds) is still there: one round trip.
-
-        Raises :class:`DatabaseUnavailable` when the server ended it meanwhile.
-        """
-        self._execute("alive")
-
     def bury(self, doomed: list[tuple[int, str, str]]) -> int:
         """Move rows to dead_jobs: ``[(id, reason, detail)]``; returns how many."""
         ids, reasons, details = (list(column) for column in zip(*doomed, strict=True))
@@ -444,98 +260,6 @@ class Store:
         if self._ask("wake_flag") and self._ask("take_sentinel", self._wake):
             self._lower(announce=False)
 
-    def _ask(self, name: str, params: dict[str, object] | None = None) -> bool:
-        row = self._execute(name, params).fetchone()
-        return bool(row and row[0])
-
-    def wait(self, timeout: float, extra_fds: tuple[int, ...] = ()) -> bool:
-        """Wait up to ``timeout`` for a NOTIFY; True when one arrived."""
-        conn = self._require()
-        if self._notified(conn):
-            return True
-        try:
-            ready, _, _ = select.select([conn.fileno(), *extra_fds], [], [], timeout)
-        except InterruptedError:  # pragma: no cover - PEP 475 retries for us
-            return False
-        if conn.fileno() in ready:
-            return self._notified(conn)
-        return False
-
-    def _notified(self, conn: psycopg.Connection[tuple[object, ...]]) -> bool:
-        """Take every notification psycopg has queued; True if there was one.
-
-        All of them, not one: psycopg queues each NOTIFY that arrives during
-        other queries, one per committed staging transaction, without bound.
-        """
-        got = False
-        own = conn.info.backend_pid  # its own announcements (drain.wakeup) wake no one
-        try:
-            for note in conn.notifies(timeout=0):
-                got = got or note.pid != own
-        except psycopg.Error as exc:
-            self.close()
-            raise self._unavailable("lost", exc) from None
-        return got
-
-    def _execute(
-        self, name: str, params: dict[str, object] | None = None
-    ) -> psycopg.Cursor[tuple[object, ...]]:
-        conn = self._require()
-        try:
-            self.asked_at = time.monotonic()
-            return conn.execute(sql.query(name), params)
-        except psycopg.errors.InsufficientPrivilege as exc:
-            raise DrainError(
-                f"database {self._display}: {first_line(exc)} (grant the drain's role "
-                "drain_runner, see staging_schema.sql)"
-            ) from None
-        except psycopg.errors.UndefinedTable:
-            raise SchemaMissing(
-                f"database {self._display} has no staged_jobs table: run `drain migrate` first"
-            ) from None
-        except (psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction) as exc:
-            raise SchemaMissing(
-                f"database {self._display} has an older drain schema ({first_line(exc)}): "
-                "run `drain migrate`"
-            ) from None
-        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-            if _rolled_back(exc) and conn.info.transaction_status == TransactionStatus.INERROR:
-                raise  # inside a batch: Store.batch rolls it back and says so
-            self.close()
-            raise self._unavailable("lost", exc) from None
-
-    def _require(self) -> psycopg.Connection[tuple[object, ...]]:
-        if self._conn is None or self._conn.closed:
-            self._conn = None
-            self.holds_lock = False
-            raise DatabaseUnavailable(f"database {self._display}: not connected")
-        return self._conn
-
-    def _unavailable(self, what: str, exc: BaseException) -> DatabaseUnavailable:
-        return DatabaseUnavailable(
-            f"database {self._display} {what}: {scrub(failover.describe(exc), self._secrets)}"
-        )
-
-
-#: Server answers that retrying will not change (unlike "too many clients").
-_REFUSALS = re.compile(
-    r"password authentication failed|does not exist|no pg_hba\.conf entry|"
-    r"permission denied for database|role .* is not permitted to log in"
-)
-
-
-def _rolled_back(exc: psycopg.Error) -> bool:
-    """SQLSTATE class 40: a serialization failure or a deadlock, which ends the
-    transaction but not the session (psycopg 3 does not group them in one class)."""
-    return (exc.sqlstate or "").startswith("40")
-
-
-def _server_message(exc: BaseException) -> str:
-    """libpq's text without its 'connection to server at ... failed:' preamble."""
-    text = first_line(exc)
-    return text.split("FATAL:", 1)[1].strip() if "FATAL:" in text else text
-
-
 def lane_guard(lock_key: int) -> int:
     """The int4 class of the (guard, lanes) locks of a lock key."""
     return _int4(f"drain lanes {lock_key}")
@@ -570,21 +294,6 @@ def fetch_params(
         "delayed_from": plan.delayed_from, "timed_xact": plan.timed_xact,
         "lanes": lanes, "lane": lane,
     }
-
-
-def connect_plain(
-    settings: Settings, application_name: str = "drain cli"
-) -> psycopg.Connection[tuple[object, ...]]:
-    """A short-lived connection for operator commands (migrate, status, stage)."""
-    try:
-        return psycopg.connect(
-            settings.database_url, connect_timeout=5, application_name=application_name
-        )
-    except psycopg.Error as exc:
-        raise DatabaseUnavailable(
-            f"database {mask_database_url(settings.database_url)} unreachable: "
-            f"{scrub(first_line(exc), settings.secrets())}"
-        ) from None
 
 
 def migrate(conn: psycopg.Connection[tuple[object, ...]]) -> None:

@@ -6,7 +6,7 @@ on the same host, or bind 0.0.0.0 inside a container) and ``--metrics-port``:
 =================  ==============================================================
 ``/metrics``       Prometheus text format (see :mod:`drain.metrics`)
 ``/healthz``       200 while the drain loop is alive: it went round within the
-                   last :func:`drain.runner.stuck_after` seconds (its longest
+                   last :func:`drain.watchdog.stuck_after` seconds (its longest
                    configured wait, usually the confirm timeout, plus 30); 503
                    otherwise. For liveness probes: a 503 means restart it.
 ``/readyz``        200 when connected to the database, as leader or standby (a

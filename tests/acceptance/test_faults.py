@@ -774,7 +774,7 @@ def test_postgres_losses_do_not_leak_in_flight_batches(db_url: str, queue: str) 
             proxy.cut()
             cuts += 1
         # Idle again: nothing is in flight, so the publisher should hold no batch.
-        support.wait_for(lambda: _lock_holder(db_url) is not None and not running._inflight
+        support.wait_for(lambda: _lock_holder(db_url) is not None and not running.pipeline.inflight
                          and support.staged_count(db_url) == 0, 30, "an idle, leading drain")
         held = list(running._publisher._inflight)
     finally:

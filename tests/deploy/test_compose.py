@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 from celery import Celery
 
-from drain import runner
+from drain import pipeline
 from tests.deploy import common
 
 LOOPBACK = "127.0.0.1"
@@ -256,7 +256,7 @@ def test_every_long_running_service_has_a_healthcheck(compose: dict[str, Any]) -
 
 
 def test_stopping_gives_the_drain_time_to_finish_its_batch(compose: dict[str, Any]) -> None:
-    worst = float(common.default("run", "DRAIN_CONFIRM_TIMEOUT")) + runner.SETTLE_TIMEOUT
+    worst = float(common.default("run", "DRAIN_CONFIRM_TIMEOUT")) + pipeline.SETTLE_TIMEOUT
     for name, service in _drain_services(compose).items():
         assert service.get("stop_signal", "SIGTERM") == "SIGTERM", name
         grace = service["stop_grace_period"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from drain import runner
+from drain import pipeline
 from tests.deploy import common
 
 EXPECTED = {
@@ -151,7 +151,7 @@ def test_the_containers_set_only_variables_the_drain_reads_from_the_secret() -> 
 
 
 def test_the_pods_have_time_to_stop_and_resources() -> None:
-    worst = float(common.default("run", "DRAIN_CONFIRM_TIMEOUT")) + runner.SETTLE_TIMEOUT
+    worst = float(common.default("run", "DRAIN_CONFIRM_TIMEOUT")) + pipeline.SETTLE_TIMEOUT
     assert _pod_spec("deployment.yaml")["terminationGracePeriodSeconds"] > worst
     for name in ("deployment.yaml", "migrate-job.yaml"):
         container = _container(name)

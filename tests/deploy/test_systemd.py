@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from drain import options, runner
+from drain import options, pipeline
 from tests.deploy import common
 
 UNITS = ("drain.service", "drain@.service")
@@ -49,7 +49,7 @@ def test_the_unit_restarts_always_and_stops_with_sigterm(name: str) -> None:
     assert service["Restart"] == ["always"]
     assert service["KillSignal"] == ["SIGTERM"]
     assert _unit(name)["Unit"]["StartLimitIntervalSec"] == ["0"], "never give up restarting"
-    worst = float(common.default("run", "DRAIN_CONFIRM_TIMEOUT")) + runner.SETTLE_TIMEOUT
+    worst = float(common.default("run", "DRAIN_CONFIRM_TIMEOUT")) + pipeline.SETTLE_TIMEOUT
     (timeout,) = service["TimeoutStopSec"]
     assert float(timeout) > worst
     (exec_start,) = service["ExecStart"]

@@ -178,7 +178,7 @@ def test_a_refused_queue_is_retried_with_backoff_and_logged_once(
     _stage(db_url, queue, 1)
     caplog.set_level(logging.DEBUG, logger="drain")
     running = start_drain(db_url)
-    support.wait_for(lambda: running.drain._paused.get(queue, (0, 0, ""))[1] >= 3, 30,
+    support.wait_for(lambda: running.drain.pipeline.paused.get(queue, (0, 0, ""))[1] >= 3, 30,
                      "three refused declares")
     assert len(_logged(caplog, "refused")) == 1, "an unchanged refusal is logged once"
     # Fix the queue: the drain declares it again, delivers, and says so.

@@ -21,7 +21,7 @@ import psycopg
 import pytest
 
 import drain
-from drain import message, runner
+from drain import message, pipeline, runner
 from drain.publisher import Publisher
 from drain.urls import broker_parameters
 from tests import support
@@ -238,7 +238,7 @@ def test_a_leader_paused_past_its_session_does_not_publish_its_stale_batch(
             "WHERE datname = %s AND application_name LIKE 'drain pid=%%'", [dbname])
     standby = start_active_drain(db_url, batch_size=50)
     support.wait_for(lambda: support.queue_depth(queue) == 20, 30, "the standby to publish")
-    support.wait_for(lambda: time.monotonic() - paused_at > runner.STALE_FETCH, 5,
+    support.wait_for(lambda: time.monotonic() - paused_at > pipeline.STALE_FETCH, 5,
                      "the fetch to be older than STALE_FETCH")
     thaw.set()
     support.wait_for(

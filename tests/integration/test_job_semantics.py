@@ -390,7 +390,7 @@ def test_drain_and_celery_declare_priority_queues_alike(
             first = drain.stage(conn, "t.celery_first", queue=queue, priority=4)
         running = start_active_drain(db_url, queue_max_priority=10)
         support.wait_for(lambda: support.staged_count(db_url) == 0, 30, "the job to drain")
-        assert not running.drain._paused, "the drain's declare was refused"
+        assert not running.drain.pipeline.paused, "the drain's declare was refused"
         messages = _consume(queue)
         assert support.task_ids(messages) == [str(first)]
         assert messages[0][1].priority == 4

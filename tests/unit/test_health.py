@@ -1,4 +1,4 @@
-"""drain.runner.stuck_after: when /healthz and the watchdog call the loop stuck."""
+"""drain.watchdog.stuck_after: when /healthz and the watchdog call the loop stuck."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from drain.config import Settings
-from drain.runner import ANSWER_GRACE, answer_bound, stuck_after
+from drain.watchdog import ANSWER_GRACE, answer_bound, stuck_after
 
 BASE = Settings(database_url="postgresql://drain@127.0.0.1/drain")
 

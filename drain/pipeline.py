@@ -1,0 +1,353 @@
+"""The batches between Postgres and the broker: one transaction per cycle.
+
+A :class:`Pipeline` is the drain's data path while it leads. Each
+:meth:`Pipeline.cycle` is one REPEATABLE READ transaction on the lock's own
+session: move expired rows to dead_jobs (when due), fetch up to ``batch_size``
+rows from the low-water marks (drain.keyset), build and publish them (a row
+that can never become a message goes to dead_jobs), and delete exactly the rows
+whose messages the broker confirmed, up to ``pipeline`` batches later. It also
+keeps the queues the broker refuses paused (their rows stay staged) and counts
+what was published. Connections, the lock, failures and idling are the loop's
+business (drain.runner); the pipeline only raises.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+from drain import keyset, message
+from drain.config import Settings
+from drain.errors import (
+    BatchConflict,
+    BrokerBlocked,
+    BrokerUnavailable,
+    DatabaseUnavailable,
+    QueueDeclareRefused,
+)
+from drain.message import StagedRow
+from drain.metrics import Metrics
+from drain.publisher import Batch, Publisher, PublishResult
+from drain.store import Store
+
+log = logging.getLogger(__name__)
+
+#: Seconds a stopping drain waits for its last batch's confirms.
+SETTLE_TIMEOUT = 3.0
+#: Seconds between two looks at the marked priorities' heads (drain.keyset).
+HEADS_INTERVAL = 0.25
+#: Seconds between two looks for expired rows while none are found.
+EXPIRE_INTERVAL = 1.0
+#: A batch fetched longer ago than this (the process was paused, a declare
+#: hung) is published only after one round trip proves the session, and so the
+#: lock, is still there: a standby may have taken over meanwhile.
+STALE_FETCH = 1.0
+
+
+class Pipeline:
+    """Fetch, publish and settle batches for one leading drain."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        publisher: Publisher,
+        metrics: Metrics,
+        *,
+        on_cycle: Callable[[int, int], None] | None = None,
+        on_fetch: Callable[[float, int], None] | None = None,
+        on_expire: Callable[[float, int], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self._store = store
+        self._publisher = publisher
+        self._on_cycle = on_cycle
+        self._on_fetch = on_fetch
+        self._on_expire = on_expire
+        #: The fetch's low-water marks (drain.keyset).
+        self.marks = keyset.Marks(enabled=settings.fetch_strategy == "keyset",
+                                  rescan_interval=settings.rescan_interval)
+        self.builder = message.Builder(
+            origin=message.origin(), reply_to=str(uuid.uuid4()),
+            max_priority=settings.queue_max_priority,
+        )
+        #: Batches published and not yet settled, oldest first (at most
+        #: ``settings.pipeline - 1`` between cycles).
+        self.inflight: list[Batch] = []
+        #: queue -> (paused until (monotonic), times paused, last reason logged)
+        self.paused: dict[str, tuple[float, int, str]] = {}
+        #: Rows the broker confirmed, this process's lifetime.
+        self.published = 0
+        self._heads_at = 0.0
+        self._expired_at = 0.0
+        self._fetched_at = 0.0
+
+    def forget(self) -> None:
+        """Drop the batches in flight: their rows stay staged, published again later."""
+        self.inflight = []
+
+    def cycle(self, *, stopping: bool = False) -> int:
+        """One transaction: publish a new batch, settle the oldest one in flight.
+
+        With ``pipeline`` P, the batch published in transaction k is confirmed
+        while transactions k+1 .. k+P-1 fetch and publish the next ones, so the
+        broker never waits for Postgres: transaction k+P-1 then deletes the rows
+        of batch k that the broker confirmed. Rows still in flight are excluded
+        from the fetch. A part batch (nothing left behind it to overlap with)
+        settles everything in flight, itself included, in its own transaction:
+        the latency of a lone job is one transaction, not P. In the same
+        transaction, expired rows and rows that can never become a message move
+        to dead_jobs. Returns how many rows were fetched or expired.
+
+        ``stopping``: fetch nothing new, and give the batches in flight at most
+        SETTLE_TIMEOUT to be confirmed (abandoning them is safe: their rows stay
+        staged).
+        """
+        pending, self.inflight = self.inflight, []
+        start_error: BrokerUnavailable | None = None
+        results: list[PublishResult] = []
+        doomed: list[tuple[int, str, str]] = []
+        rows: list[StagedRow] = []
+        limit = self.settings.batch_size
+        expired = 0
+        try:
+            with self._store.batch():
+                if not stopping:
+                    expired, rows = self._expire_and_fetch(
+                        [row_id for batch in pending for row_id in batch.row_ids], limit)
+                if rows:
+                    self.metrics.batch_rows.observe(len(rows))
+                    publishing = time.perf_counter()
+                    try:
+                        current = self._start(rows, doomed)
+                    except BrokerUnavailable as exc:
+                        start_error = exc
+                    except BrokerBlocked:
+                        pass  # nothing published: the rows stay staged (see _blocked)
+                    else:
+                        if current is not None:
+                            pending.append(current)
+                    self.metrics.publish_seconds.observe(time.perf_counter() - publishing)
+                # On the way out, do not keep a stalled broker's batch for the whole
+                # confirm timeout: abandoning it is safe (its rows stay staged).
+                self._collect(pending, results, everything=len(rows) < limit or bool(start_error),
+                              timeout=SETTLE_TIMEOUT if stopping else None)
+                confirmed = [row_id for r in results for row_id in r.confirmed]
+                deleted = self._store.delete(confirmed) if confirmed else 0
+                if doomed:
+                    self._store.bury(doomed)
+        except (DatabaseUnavailable, BatchConflict):
+            # Rolled back: every row stays staged, the ones the broker confirmed
+            # too. They are published again, with the same task ids: count them.
+            self.metrics.unsettled.inc(sum(len(r.confirmed) for r in results))
+            self._publisher.forget_inflight()
+            raise
+        if expired:
+            self.metrics.expired.inc(expired)
+            self.metrics.dead_lettered.labels("expired").inc(expired)
+            log.warning("moved %d expired job(s) to dead_jobs (reason 'expired')", expired)
+        # Committed: the confirmed rows are gone, everything else stays staged.
+        self.inflight = pending
+        self.metrics.deleted.inc(deleted)
+        for reason, count in sorted(collections.Counter(r for _, r, _ in doomed).items()):
+            self.metrics.dead_lettered.labels(reason).inc(count)
+            log.warning("moved %d job(s) to dead_jobs (reason %r)", count, reason)
+        for result in results:
+            self._account(result)
+        error = start_error or next((r.error for r in results if r.error), None)
+        if error is not None:
+            raise error
+        return max(len(rows), expired)
+
+    def _collect(self, pending: list[Batch], results: list[PublishResult], *,
+                 everything: bool, timeout: float | None) -> None:
+        """Wait for the oldest batches' confirms, into ``results``.
+
+        Down to pipeline - 1 batches in flight; all of them with ``everything``
+        (no backlog left: nothing would follow to overlap with, so a lone job
+        takes one transaction; or publishing failed) or once a batch's
+        connection failed (collect what was confirmed before that). A broker
+        that blocks publishing ends the wait: the rest stays in flight.
+        """
+        while pending and (everything or len(pending) >= self.settings.pipeline
+                           or any(r.error for r in results)):
+            try:
+                results.append(self._wait(pending[0], timeout))
+            except BrokerBlocked:
+                return  # in flight until the alarm clears: see _blocked
+            pending.pop(0)
+
+    def _expire_and_fetch(self, exclude: list[int], limit: int) -> tuple[int, list[StagedRow]]:
+        """Move expired rows to dead_jobs (when due), then fetch the next batch."""
+        expired = 0
+        if self._expire_due():
+            started = time.perf_counter()
+            expired = self._store.expire(exclude, limit, self.marks.current())
+            if self._on_expire is not None:
+                self._on_expire(time.perf_counter() - started, expired)
+            self._expired_at = time.monotonic() if expired < limit else 0.0
+        # A full batch expired: more expired rows may remain, which the fetch
+        # would have to skip one by one. Move them first (the next cycle follows
+        # at once) and fetch once they are gone.
+        if expired >= limit:
+            return expired, []
+        self._try_paused()  # a broker round trip: not part of the fetch's time
+        return expired, self._fetch(limit, exclude)
+
+    def _wait(self, batch: Batch, timeout: float | None = None) -> PublishResult:
+        """Wait for a batch's confirms, timed; BrokerBlocked if the broker blocks first."""
+        started = time.perf_counter()
+        try:
+            return self._publisher.wait(batch, timeout, until_blocked=True)
+        finally:
+            self.metrics.confirm_seconds.observe(time.perf_counter() - started)
+
+    def _expire_due(self) -> bool:
+        """Look for expired rows at most every EXPIRE_INTERVAL while there are none
+        (the fetch leaves them out meanwhile), at once while a batch of them remains."""
+        return time.monotonic() - self._expired_at >= EXPIRE_INTERVAL
+
+    def _fetch(self, limit: int, exclude: list[int]) -> list[StagedRow]:
+        """Fetch the next batch and move the low-water marks (drain.keyset)."""
+        started = time.perf_counter()
+        marks = self.marks  # with --fetch-strategy head they plan from the head, keep none
+        paused = self._paused_now()
+        marks.paused(paused)
+        rows = self._store.fetch(limit, exclude, paused, marks.plan(time.monotonic()))
+        now = time.monotonic()
+        marks.fetched([row.priority for row in rows if row.ready], now)
+        # The marks move on a look at the heads now and then, not per batch:
+        # spare the round trip on most fetches.
+        if now - self._heads_at >= HEADS_INTERVAL and marks.enabled:
+            self._heads_at = now
+            current = marks.current()
+            if current.priorities:
+                heads, xmin = self._store.heads(current, paused)
+                marks.observe(heads, xmin, paused)
+            marks.observe_timed(*self._store.timed_heads(current))
+        self._fetched_at = now
+        elapsed = time.perf_counter() - started
+        self.metrics.fetch_seconds.observe(elapsed)
+        if self._on_fetch is not None:
+            self._on_fetch(elapsed, len(rows))
+        return rows
+
+    def _start(self, rows: list[StagedRow], doomed: list[tuple[int, str, str]]) -> Batch | None:
+        """Declare the rows' queues and publish the rows whose queues were accepted."""
+        refused = self._publisher.declare({row.queue for row in rows})
+        for queue, reason in refused.items():
+            refusal = QueueDeclareRefused(queue, reason, self.settings.queue_declare)
+            self._pause(queue, str(refusal))
+        publishable = [row for row in rows if row.queue not in refused]
+        if not publishable:
+            return None
+        self._prove_lock()
+        return self._publisher.start(
+            self._messages(publishable, doomed),
+            queues={row.queue for row in publishable},
+            count=len(publishable),
+        )
+
+    def _prove_lock(self) -> None:
+        """Before publishing a batch fetched a while ago, prove the lock is still ours.
+
+        A leader paused (SIGSTOP, a frozen VM, a hung declare) between its fetch
+        and its publish may have lost its session meanwhile, and a standby taken
+        over and published the same rows. Publishing them now would only make
+        duplicates: drop the batch instead (its rows stay staged for the new
+        leader) and count it in ``drain_stale_batches_total``. A pause that falls
+        after this check is not caught; it costs duplicates at worst
+        (``drain_unsettled_rows_total``).
+        """
+        if time.monotonic() - self._fetched_at <= STALE_FETCH:
+            return
+        try:
+            self._store.alive()
+        except DatabaseUnavailable:
+            self.metrics.stale_batches.inc()
+            log.warning("a batch fetched %.1fs ago was not published: the database session "
+                        "(and the lock) did not survive the pause",
+                        time.monotonic() - self._fetched_at)
+            raise
+
+    def _messages(
+        self, rows: list[StagedRow], doomed: list[tuple[int, str, str]]
+    ) -> Iterator[message.Message]:
+        """Build each row's message; a row that can never be one goes to ``doomed``."""
+        now = time.time()
+        limit = self.settings.max_message_size
+        for row in rows:
+            try:
+                built = self.builder.build(row, now=now)
+            except Exception as exc:
+                doomed.append((row.id, "invalid", f"{type(exc).__name__}: {exc}"[:1000]))
+                continue
+            if len(built.body) > limit:
+                doomed.append((row.id, "too_large",
+                               f"message body of {len(built.body)} bytes exceeds "
+                               f"max_message_size ({limit} bytes)"))
+                continue
+            yield built
+
+    # -- queues the broker refuses ----------------------------------------------------
+
+    def _paused_now(self) -> list[str]:
+        now = time.monotonic()
+        return [queue for queue, (until, _, _) in self.paused.items() if until > now]
+
+    def _try_paused(self) -> None:
+        """Declare again the paused queues whose pause ran out: resume the ones the
+        broker accepts now, pause the others for longer.
+
+        Trying a queue by declaring it, not by fetching its rows, keeps the marks
+        past those rows (drain.keyset, "Paused queues") while the broker still
+        refuses it: a fetch never steps over the pile just to find that out.
+        """
+        now = time.monotonic()
+        due = {queue for queue, (until, _, _) in self.paused.items() if until <= now}
+        if not due:
+            return
+        try:
+            refused = self._publisher.declare(due)
+        except BrokerBlocked:
+            return  # tried again after the alarm
+        for queue in sorted(due):
+            if queue in refused:
+                refusal = QueueDeclareRefused(queue, refused[queue], self.settings.queue_declare)
+                self._pause(queue, str(refusal))
+        self._resume(due - set(refused))
+
+    def _pause(self, queue: str, reason: str) -> None:
+        """Leave ``queue``'s rows staged for a while (doubling up to 30 s) and say why once."""
+        _, count, last = self.paused.get(queue, (0.0, 0, ""))
+        delay = min(2.0**count, 30.0)
+        self.paused[queue] = (time.monotonic() + delay, count + 1, reason)
+        if reason != last:
+            log.warning("%s; retrying queue %r with backoff, up to %gs apart", reason, queue, 30.0)
+
+    def _resume(self, queues: set[str]) -> None:
+        for queue in queues & set(self.paused):
+            del self.paused[queue]
+            log.info("queue %r: publishing again", queue)
+
+    def _account(self, result: PublishResult) -> None:
+        self.published += len(result.confirmed)
+        self.metrics.published.inc(len(result.confirmed))
+        self.metrics.unroutable.inc(len(result.returned))
+        self.metrics.nacked.inc(result.nacked)
+        self._resume(result.confirmed_queues - result.returned_queues)
+        for queue in sorted(result.returned_queues):
+            # Unroutable: nothing bound to it (deleted behind our back?). Declare
+            # it again next time; meanwhile its rows stay staged.
+            self._publisher.forget(queue)
+            self._pause(queue, f"messages to queue {queue!r} came back unroutable (no queue "
+                               "bound); their rows stay staged")
+        if result.nacked:
+            log.warning("broker nacked %d message(s); their rows stay staged", result.nacked)
+        if self._on_cycle is not None:
+            self._on_cycle(len(result.confirmed) + len(result.returned) + result.nacked,
+                           len(result.confirmed))
