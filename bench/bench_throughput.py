@@ -264,7 +264,7 @@ def read_collapsed(path: Path) -> list[tuple[list[str], int]]:
 def _activity(frames: list[Frame], deepest_drain: Frame | None) -> str:
     """What the drain was doing in one sample, in a few coarse kinds."""
     names = [f.name for f in frames]
-    if not any(name.startswith("Drain._cycle ") for name in names):
+    if not any(name.startswith("Pipeline.cycle ") for name in names):
         return "outside the cycle: start-up, connecting, shut-down"
     leaf = names[-1]
     if BROKER_WAIT.match(leaf):
@@ -276,7 +276,7 @@ def _activity(frames: list[Frame], deepest_drain: Frame | None) -> str:
         return "CPU: building and encoding messages (drain.message, drain.amqp)"
     if where.endswith(("drain/store.py", "drain/keyset.py")):
         return "CPU: Postgres client (psycopg: send queries, adapt ids, parse rows)"
-    if where.endswith("drain/publisher.py"):
+    if where.endswith(("drain/publisher.py", "drain/queue_declare.py", "drain/amqp_link.py")):
         return "CPU: pika (marshal frames, socket writes, read confirms)"
     return "CPU: the drain loop (runner, other)"
 

@@ -13,6 +13,13 @@ measured). Nothing runs in the background: the I/O loop only turns inside
 ``connect``, ``wait`` and ``pump`` (which the drain calls while idle, so
 heartbeats keep flowing).
 
+The connection's life (opening, closing, turning the I/O loop, the broker's
+alarms, error texts) is :class:`drain.amqp_link.AmqpLink`'s, and declaring the
+queues before a batch goes to them is
+:class:`drain.queue_declare.QueueDeclaringLink`'s; :class:`Publisher` builds
+on both and owns what happens to a batch: publishing it, and matching the
+broker's acks, nacks and returns to its messages.
+
 A message counts as delivered only when its ``basic.ack`` arrived and no
 ``basic.return`` came before it. Anything else (nack, return, timeout, a
 connection lost mid-batch) leaves it undelivered and its row stays staged.
@@ -38,21 +45,15 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import logging
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import pika
-import pika.exceptions
-from pika.adapters.select_connection import SelectConnection
 
 from drain.amqp import EncodedProperties
-from drain.errors import BrokerBlocked, BrokerRefused, BrokerUnavailable, QueueDeclareRefused
+from drain.errors import BrokerBlocked, BrokerUnavailable, QueueDeclareRefused
 from drain.message import Message
-from drain.urls import scrub
-
-log = logging.getLogger(__name__)
+from drain.queue_declare import QueueDeclaringLink
 
 #: A message's status in its batch: pending until acked or nacked; _RETURNED is
 #: a flag set by a basic.return (before the ack that resolves it).
@@ -127,7 +128,7 @@ class PublishResult:
     confirmed_queues: set[str] = dataclasses.field(default_factory=set)
 
 
-class Publisher:
+class Publisher(QueueDeclaringLink):
     """One AMQP connection and one confirm-mode channel."""
 
     def __init__(
@@ -141,24 +142,10 @@ class Publisher:
         secrets: list[str] | None = None,
         queue_max_priority: int = 0,
     ) -> None:
-        self._parameters = parameters
-        self._secrets = secrets or []
-        self._display_url = display_url
-        self._declare_mode = declare
+        super().__init__(parameters, display_url=display_url, declare=declare,
+                         connect_timeout=connect_timeout, secrets=secrets,
+                         queue_max_priority=queue_max_priority)
         self._confirm_timeout = confirm_timeout
-        self._connect_timeout = connect_timeout
-        self._conn: SelectConnection | None = None
-        self._channel: Any = None
-        self._ready = False
-        self._failure: str | None = None
-        self._refused = False
-        self._declared: set[str] = set()
-        self._declare_channel: Any = None
-        self._declare_refusal: str | None = None
-        self._queue_arguments = (
-            {"x-max-priority": queue_max_priority} if queue_max_priority else None
-        )
-        self._done: Callable[[], bool] = lambda: True
         # Batches published and not yet waited for, oldest first.
         self._inflight: list[Batch] = []
         self._generation = 0
@@ -166,80 +153,21 @@ class Publisher:
         self._low = 1
         #: The highest delivery tag any ack or nack has named on this channel.
         self._confirmed_up_to = 0
-        #: Why the broker blocks this connection (a resource alarm), or None.
-        self.blocked: str | None = None
-        self._blocked_since = 0.0
 
-    # -- connection -----------------------------------------------------------
+    # -- connection (drain.amqp_link opens, closes and turns it) -----------------
 
-    @property
-    def connected(self) -> bool:
-        return self._conn is not None and self._ready and self._failure is None
-
-    def connect(self) -> None:
-        """Open the connection and a confirm-mode channel, or raise BrokerUnavailable."""
-        self.close()
-        self._ready = False
-        self._failure = None
-        self._refused = False
-        self._declared.clear()
+    def _new_connection(self) -> None:
+        super()._new_connection()
         self._inflight = []
         self._base_tag = 0
         self._low = 1
         self._confirmed_up_to = 0
         self._generation += 1
-        self.blocked = None  # a new connection starts unblocked; the broker says if not
-        try:
-            self._conn = SelectConnection(
-                self._parameters,
-                on_open_callback=self._on_connection_open,
-                on_open_error_callback=self._on_connection_open_error,
-                on_close_callback=self._on_connection_closed,
-            )
-            self._conn.add_on_connection_blocked_callback(self._on_blocked)
-            self._conn.add_on_connection_unblocked_callback(self._on_unblocked)
-        except Exception as exc:
-            raise BrokerUnavailable(f"broker at {self._display_url}: {self._text(exc)}") from None
-        finished = self._run_until(
-            lambda: self._ready or self._failure is not None, self._connect_timeout
-        )
-        if not self._ready:
-            reason = self._failure or ("timed out" if not finished else "closed")
-            refused = self._refused
-            self.close()
-            if refused:
-                raise BrokerRefused(f"broker at {self._display_url} refused us: {reason}")
-            raise BrokerUnavailable(f"broker at {self._display_url} unreachable: {reason}")
 
-    def close(self) -> None:
-        """Close the connection (if any); never raises."""
-        conn, self._conn = self._conn, None
-        self._channel = None
-        self._declare_channel = None
-        self._ready = False
-        if conn is None:
-            return
-        try:
-            if conn.is_open:
-                conn.close()
-                deadline = time.monotonic() + 2.0
-                while not conn.is_closed and time.monotonic() < deadline:
-                    handle = conn.ioloop.call_later(0.05, conn.ioloop.stop)
-                    conn.ioloop.start()
-                    conn.ioloop.remove_timeout(handle)
-        except Exception:
-            log.debug("error while closing the broker connection", exc_info=True)
-        try:
-            conn.ioloop.close()
-        except Exception:
-            log.debug("error while closing the broker I/O loop", exc_info=True)
-
-    def pump(self, seconds: float = 0.0) -> None:
-        """Turn the I/O loop for up to ``seconds``: heartbeats, close notices."""
-        if self._conn is None:
-            return
-        self._turn(seconds)
-        self._raise_if_failed()
+    def _prepare_channel(self, channel: Any) -> None:
+        channel.add_on_return_callback(self._on_return)
+        channel.confirm_delivery(ack_nack_callback=self._on_confirm,
+                                 callback=self._on_channel_ready)
 
     # -- publishing -----------------------------------------------------------
 
@@ -360,133 +288,7 @@ class Publisher:
         batch = self.start(messages, queues=queues, count=len(messages))
         return self.wait(batch)
 
-    def declare(self, queues: set[str]) -> dict[str, str]:
-        """Declare (or, passively, check) the queues not declared yet on this connection.
-
-        Returns the refused queues with the broker's reason (406 for a queue that
-        exists with other arguments, 404 for a missing queue in passive mode).
-        Declares go through a channel of their own, which a refusal closes, so
-        the publishing channel and the batches in flight are not disturbed.
-        Raises :class:`BrokerUnavailable` when the connection itself fails, and
-        :class:`BrokerBlocked` when the broker blocks it before answering.
-        """
-        refused: dict[str, str] = {}
-        for queue in sorted(queues - self._declared):
-            self._raise_if_failed()
-            channel = self._declare_channel_open()
-            answer: dict[str, str] = {}
-
-            def on_declared(_frame: Any, answer: dict[str, str] = answer) -> None:
-                answer["ok"] = ""
-                self._wake()
-
-            channel.queue_declare(
-                queue,
-                passive=self._declare_mode == "passive",
-                durable=True,
-                arguments=self._queue_arguments,
-                callback=on_declared,
-            )
-            def answered(answer: dict[str, str] = answer) -> bool:
-                return (bool(answer) or self._declare_channel is None
-                        or self._failure is not None or self.blocked is not None)
-
-            self._run_until(answered, self._connect_timeout)
-            if not answer and self._failure is None and self.blocked is not None:
-                raise BrokerBlocked(self.blocked)  # the answer comes after the alarm
-            if "ok" in answer:
-                self._declared.add(queue)
-            elif self._failure is not None:
-                self._raise_if_failed()
-            elif self._declare_channel is None:
-                refused[queue] = self._declare_refusal or "refused"
-            else:
-                raise BrokerUnavailable(
-                    f"broker at {self._display_url} did not answer a queue declare in time"
-                )
-        return refused
-
-    def forget(self, queue: str) -> None:
-        """Declare ``queue`` again before the next publish to it (it went missing)."""
-        self._declared.discard(queue)
-
-    def _declare_channel_open(self) -> Any:
-        if self._declare_channel is None:
-            conn = self._conn
-            if conn is None:
-                raise BrokerUnavailable(f"broker at {self._display_url}: not connected")
-            opened: list[Any] = []
-
-            def on_open(channel: Any) -> None:
-                channel.add_on_close_callback(self._on_declare_channel_closed)
-                opened.append(channel)
-                self._wake()
-
-            conn.channel(on_open_callback=on_open)
-            self._run_until(lambda: bool(opened) or self._failure is not None,
-                            self._connect_timeout)
-            self._raise_if_failed()
-            if not opened:
-                raise BrokerUnavailable(f"broker at {self._display_url}: no channel in time")
-            self._declare_channel = opened[0]
-            self._declare_refusal = None
-        return self._declare_channel
-
-    def _on_declare_channel_closed(self, _channel: Any, exc: BaseException) -> None:
-        self._declare_channel = None
-        self._declare_refusal = self._text(exc)
-        self._wake()
-
     # -- pika callbacks ----------------------------------------------------------
-
-    def _on_connection_open(self, conn: SelectConnection) -> None:
-        conn.channel(on_open_callback=self._on_channel_open)
-
-    def _on_connection_open_error(self, _conn: SelectConnection, exc: BaseException) -> None:
-        self._failure = self._text(exc)
-        self._refused = _is_refusal(exc)
-        self._wake()
-
-    def _on_connection_closed(self, _conn: SelectConnection, exc: BaseException) -> None:
-        if self._failure is None:
-            self._failure = self._text(exc)
-        self._ready = False
-        self._wake()
-
-    def _on_blocked(self, _conn: Any, frame: Any) -> None:
-        self._set_blocked(str(getattr(frame.method, "reason", "") or "a resource alarm"))
-        self._wake()
-
-    def _on_unblocked(self, _conn: Any, _frame: Any) -> None:
-        self._set_blocked(None)
-        self._wake()
-
-    def _set_blocked(self, reason: str | None) -> None:
-        """Note (and say once) that the broker blocks or unblocks this connection."""
-        if reason is not None and self.blocked is None:
-            self._blocked_since = time.monotonic()
-            log.warning("broker at %s blocks publishing: %s (a resource alarm); waiting for "
-                        "it to clear, jobs stay staged", self._display_url, reason)
-        elif reason is None and self.blocked is not None:
-            log.warning("broker at %s unblocked after %.1fs: publishing again",
-                        self._display_url, time.monotonic() - self._blocked_since)
-        self.blocked = reason
-
-    def _on_channel_open(self, channel: Any) -> None:
-        self._channel = channel
-        channel.add_on_close_callback(self._on_channel_closed)
-        channel.add_on_return_callback(self._on_return)
-        channel.confirm_delivery(ack_nack_callback=self._on_confirm, callback=self._on_confirm_ok)
-
-    def _on_confirm_ok(self, _frame: Any) -> None:
-        self._ready = True
-        self._wake()
-
-    def _on_channel_closed(self, _channel: Any, exc: BaseException) -> None:
-        if self._failure is None:
-            self._failure = self._text(exc)
-        self._ready = False
-        self._wake()
 
     def _on_return(self, _channel: Any, method: Any, properties: Any, _body: bytes) -> None:
         """Flag the publish this return is for (see the module's docstring)."""
@@ -521,91 +323,3 @@ class Publisher:
         if method.multiple:
             self._low = max(self._low, tag + 1)
         self._wake()
-
-    # -- the I/O loop ------------------------------------------------------------
-
-    def _wake(self) -> None:
-        if self._done() and self._conn is not None:
-            self._conn.ioloop.stop()
-
-    def _turn(self, seconds: float) -> None:
-        """Turn the I/O loop once (writes, confirms, heartbeats), for up to ``seconds``."""
-        self._run_until(lambda: self._failure is not None, seconds, run_once=True)
-
-    def _run_until(
-        self, done: Callable[[], bool], timeout: float, *, run_once: bool = False
-    ) -> bool:
-        """Turn the I/O loop until ``done()`` or ``timeout``; True when done."""
-        conn = self._conn
-        if conn is None:
-            return done()
-        self._done = done
-        ioloop = conn.ioloop
-        deadline = time.monotonic() + timeout
-        try:
-            while not done():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 and not run_once:
-                    return False
-                handle = ioloop.call_later(max(remaining, 0.0), ioloop.stop)
-                try:
-                    ioloop.start()
-                finally:
-                    ioloop.remove_timeout(handle)
-                if run_once:
-                    break
-            return done()
-        finally:
-            self._done = lambda: True
-
-    def _text(self, exc: BaseException) -> str:
-        return scrub(_describe(exc), self._secrets)
-
-    def _raise_if_failed(self) -> None:
-        if self._failure is not None:
-            failure = self._failure
-            self.close()
-            self._failure = None
-            raise BrokerUnavailable(f"broker at {self._display_url}: {failure}")
-
-
-def _innermost(exc: BaseException) -> BaseException:
-    """The error pika's connection workflow wrapped: the last attempt's cause."""
-    nested = getattr(exc, "exceptions", None)  # AMQPConnectionWorkflowFailed
-    if nested:
-        return _innermost(nested[-1])
-    inner = getattr(exc, "exception", None)  # AMQPConnector*Error
-    if isinstance(inner, BaseException):
-        return _innermost(inner)
-    return exc
-
-
-def _is_refusal(exc: BaseException) -> bool:
-    """A login or vhost refusal, as opposed to a network problem."""
-    return isinstance(
-        _innermost(exc),
-        (pika.exceptions.ProbableAuthenticationError, pika.exceptions.ProbableAccessDeniedError),
-    )
-
-
-def _describe(exc: BaseException) -> str:
-    """A short description of a pika error (callers scrub secrets from it)."""
-    exc = _innermost(exc)
-    if isinstance(
-        exc, (pika.exceptions.ChannelClosedByBroker, pika.exceptions.ConnectionClosedByBroker)
-    ):
-        return f"{exc.reply_code} {exc.reply_text}"
-    if isinstance(exc, pika.exceptions.ProbableAuthenticationError):
-        return "login refused (check the user name and password)"
-    if isinstance(exc, pika.exceptions.ProbableAccessDeniedError):
-        return "access refused (check the vhost and the user's permissions)"
-    if isinstance(exc, pika.exceptions.AMQPConnectionError) and exc.args:
-        inner = exc.args[0]
-        if isinstance(inner, BaseException):
-            return _describe(inner)
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]
