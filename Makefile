@@ -5,6 +5,7 @@
 #   make demo       the end-to-end demo: stage, drain, run in a Celery worker
 #   make test       the whole suite; ARGS are passed to pytest: make test ARGS='-k crash -x'
 #   make test-unit  only tests/unit (needs no services)
+#   make test-spark-cluster  the spark_cluster tests: a standalone Spark cluster (not in make test)
 #   make lint       ruff check and mypy --strict
 #   make bench      every benchmark in order, then one summary table (bench/summary.py):
 #                   bench-profile (throughput + profile), bench-latency, bench-staging
@@ -31,7 +32,7 @@ BENCH_STAMP := $(VENV)/.bench-installed
 TEST_CMD := $(BIN)/python -m pytest
 ARGS ?=
 
-.PHONY: venv services demo test test-unit lint soak soak-interleavings clean
+.PHONY: venv services demo test test-unit test-spark-cluster lint soak soak-interleavings clean
 .PHONY: bench bench-throughput bench-latency bench-mvcc bench-memory bench-lanes bench-priority
 .PHONY: bench-staging bench-crashes bench-paused
 .PHONY: bench-profile bench-spark bench-deps bench-smoke
@@ -65,8 +66,14 @@ define run_tests
 	  exit $$status; }
 endef
 
+# The spark_cluster tests (a standalone Spark cluster, minutes) run in test-spark-cluster.
 test: services venv
-	$(call run_tests,$(ARGS))
+	$(call run_tests,-m 'not spark_cluster' $(ARGS))
+
+# drain backfill/reconcile submitted to a real standalone cluster (a master and two
+# 1-core workers started by the tests), executors killed mid-run (tests/spark_cluster).
+test-spark-cluster: services venv
+	$(call run_tests,-m spark_cluster tests/spark_cluster $(ARGS))
 
 test-unit: venv
 	$(call run_tests,tests/unit $(ARGS))

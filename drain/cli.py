@@ -32,7 +32,6 @@ from drain.cli_common import (
     add_lock_key,
     check_urls,
     configure_logging,
-    duration,
     env,
     secrets_in,
     settings_of,
@@ -41,13 +40,6 @@ from drain.errors import DrainError, StagingError
 from drain.spark import cli as spark_cli
 
 log = logging.getLogger("drain")
-
-# drain.spark.cli reads these from here under their old names.
-_add_database = add_database
-_duration = duration
-_configure_logging = configure_logging
-_EXIT_CODES = EXIT_CODES
-_secrets = secrets_in
 
 __all__ = [
     "DEFAULT_METRICS_PORT",

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from drain.errors import ConfigError
 from drain.spark import mapping as mapping_
-from drain.spark import progress, writer
+from drain.spark import progress, rejects, writer
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -45,6 +45,9 @@ class Options:
     #: Arrow batches (None: when pyarrow and pandas are installed).
     arrow: bool | None = None
     faults: tuple[writer.Fault, ...] = ()
+    #: Write records that can never become a job here (JSON lines) and stage the rest;
+    #: None: the first such record fails the run before anything is staged.
+    rejects_file: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +59,14 @@ class Result:
     already_complete: bool
     #: Wall time of the whole command (including planning and the ledger check).
     seconds: float
+    #: Records refused before the write (listed in the rejects file).
+    rejected: int = 0
+    rejects_file: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.summary.as_dict(), "already_complete": self.already_complete,
-                "total_seconds": round(self.seconds, 3)}
+                "total_seconds": round(self.seconds, 3), "rejected": self.rejected,
+                "rejects_file": self.rejects_file}
 
     def text(self) -> str:
         s = self.summary
@@ -71,6 +78,8 @@ class Result:
             notes.append(f"{s.skipped_earlier_run} committed by an earlier run, skipped")
         if s.retried_after_commit:
             notes.append(f"{s.retried_after_commit} retried after their commit, not restaged")
+        if self.rejected:
+            notes.append(f"{self.rejected:,} record(s) refused, listed in {self.rejects_file}")
         note = f" ({'; '.join(notes)})" if notes else ""
         return (f"backfill {s.run_id!r}: staged {s.rows:,} job(s) in {s.partitions} "
                 f"partitions{note} in {s.seconds:.1f}s, {s.rows_per_second:,.0f} rows/s")
@@ -123,11 +132,15 @@ def run(spark: SparkSession, df: DataFrame, m: mapping_.Mapping, options: Option
             skipped_earlier_run=state.committed, retried_after_commit=0, seconds=0.0,
         )
         return Result(summary, already_complete=True, seconds=time.monotonic() - started)
-    lines = mapping_.copy_lines(plan(df, m, options), m)
+    if options.where:
+        df = df.filter(options.where)
+    df, rejected = rejects.check(df, m, options.partitions, options.rejects_file)
+    lines = mapping_.copy_lines(mapping_.jobs(df, m, options.run_id, options.partitions), m)
     config = writer.WriterConfig(
         database_url=options.database_url, run_id=options.run_id,
         partitions=options.partitions, run_token=str(uuid.uuid4()), faults=options.faults,
     )
     with progress.tracking(spark.sparkContext, "backfill", enabled=options.progress):
         summary = writer.write(lines, config, arrow=options.arrow)
-    return Result(summary, already_complete=False, seconds=time.monotonic() - started)
+    return Result(summary, already_complete=False, seconds=time.monotonic() - started,
+                  rejected=rejected, rejects_file=options.rejects_file)

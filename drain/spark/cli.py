@@ -16,14 +16,14 @@ import datetime as dt
 import json
 import logging
 import os
-import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from drain import cli_common
 from drain.errors import ConfigError, DatabaseUnavailable, DrainError
+from drain.spark import errors, sources
 from drain.spark import mapping as mapping_
-from drain.spark import sources
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -40,7 +40,6 @@ _EPILOG = (
 
 def add_parsers(sub: Any) -> None:
     """Register ``backfill`` and ``reconcile`` on ``drain``'s subparsers."""
-    from drain import cli as core  # noqa: PLC0415 - drain.cli imports this module
 
     p = sub.add_parser(
         "backfill",
@@ -51,7 +50,7 @@ def add_parsers(sub: Any) -> None:
         "same --id never stages a record twice.",
         epilog=_EPILOG,
     )
-    core._add_database(p)
+    cli_common.add_database(p)
     _add_source(p, "--source", "the records: parquet:PATH, csv:PATH, json:PATH, table:NAME "
                 "or 'query:SELECT ...'")
     p.add_argument("--where", metavar="SQL", help="only the records matching this Spark SQL "
@@ -79,7 +78,7 @@ def add_parsers(sub: Any) -> None:
         "idempotent writer.",
         epilog=_EPILOG,
     )
-    core._add_database(p)
+    cli_common.add_database(p)
     _add_source(p, "--source", "the source of truth: table:NAME, 'query:SELECT ...', or "
                 "parquet:/csv:/json:PATH")
     p.add_argument("--downstream", required=True, type=_source, metavar="KIND:WHAT",
@@ -142,7 +141,6 @@ def _add_source(p: argparse.ArgumentParser, flag: str, what: str) -> None:
 
 
 def _add_mapping(p: argparse.ArgumentParser, *, required: bool) -> None:
-    from drain import cli as core  # noqa: PLC0415
 
     p.add_argument("--task", required=required, metavar="NAME",
                    help="the Celery task name, e.g. search.index_annotation")
@@ -162,7 +160,7 @@ def _add_mapping(p: argparse.ArgumentParser, *, required: bool) -> None:
                    help=f"staged_jobs priority (default {mapping_.DEFAULT_PRIORITY}: after "
                    "the application's jobs)")
     p.add_argument("--tag", required=required, help="who staged them, e.g. backfill.reindex")
-    p.add_argument("--spread", type=core._duration, metavar="DURATION",
+    p.add_argument("--spread", type=cli_common.duration, metavar="DURATION",
                    help="spread not_before evenly over this window (e.g. 6h), by a hash of "
                    "the key, so that the workers are not flooded")
     p.add_argument("--spread-start", type=_moment, metavar="ISO",
@@ -176,6 +174,10 @@ def _add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master", default=os.environ.get("DRAIN_SPARK_MASTER"), metavar="URL",
                    help="Spark master (env DRAIN_SPARK_MASTER; default local[*], or the one "
                    "spark-submit gives)")
+    p.add_argument("--rejects", metavar="FILE",
+                   help="write records that can never become a job (NUL in text, NaN) to FILE "
+                   "as JSON lines and stage the rest (default: the first one fails the run "
+                   "before anything is staged)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
@@ -212,7 +214,8 @@ def _spark(args: argparse.Namespace, app_name: str) -> Iterator[SparkSession]:
     # error it raises (as JSON, on its own handler): drain reports it in one line.
     logging.getLogger("py4j").setLevel(logging.WARNING)
     if not getattr(args, "verbose", False):
-        logging.getLogger("DataFrameQueryContextLogger").setLevel(logging.CRITICAL)
+        for name in ("DataFrameQueryContextLogger", "SQLQueryContextLogger"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     spark, created = session.get_session(args.master, app_name)
     try:
         with spark_errors():
@@ -242,7 +245,8 @@ def cmd_backfill(args: argparse.Namespace) -> int:
     run_id = args.run_id or args.tag
     m = _mapping(args, args.key)
     options = backfill.Options(database_url=args.database_url, run_id=run_id,
-                               partitions=args.partitions or 1, where=args.where)
+                               partitions=args.partitions or 1, where=args.where,
+                               rejects_file=args.rejects)
     backfill.check(m, options)  # before Spark starts
     with _spark(args, "drain backfill") as spark:
         options = dataclasses.replace(
@@ -271,7 +275,6 @@ def _print_dry_run(plan: dict[str, Any], as_json: bool) -> None:
 
 def cmd_reconcile(args: argparse.Namespace) -> int:
     """``drain reconcile``: report; with --stage, stage the repairs."""
-    from drain import cli as core  # noqa: PLC0415
     from drain.spark import backfill, reconcile  # noqa: PLC0415
 
     sides = reconcile.Sides(
@@ -284,12 +287,13 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     options: backfill.Options | None = None
     if args.stage:
         if not args.task or not args.tag:
-            raise core.UsageError("--stage needs --task and --tag (e.g. reconcile.search_index)")
+            raise cli_common.UsageError(
+                "--stage needs --task and --tag (e.g. reconcile.search_index)")
         now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         run_id = args.run_id or f"{args.tag}@{now}"
         m = _mapping(args, f"`{args.id_column}`")
         options = backfill.Options(database_url=args.database_url, run_id=run_id,
-                                   partitions=args.partitions or 1)
+                                   partitions=args.partitions or 1, rejects_file=args.rejects)
         backfill.check(m, options)  # before Spark starts
     with _spark(args, "drain reconcile") as spark:
         from pyspark import StorageLevel  # noqa: PLC0415
@@ -329,71 +333,10 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- Spark's errors as drain's --------------------------------------------------------
+# -- Spark's errors as drain's: drain.spark.errors ---------------------------------
 
-_PY_ERROR = re.compile(
-    r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Violation|Fault)): (.+)$", re.MULTILINE
-)
-_UNREACHABLE = re.compile(
-    r"Connection to \S+ refused|connection attempt failed|password authentication failed|"
-    r"could not connect|Connection refused|OperationalError",
-)
-
-
-@contextlib.contextmanager
-def spark_errors() -> Iterator[None]:
-    """Turn pyspark's and the executors' exceptions into drain's (one line, exit code)."""
-    try:
-        yield
-    except DrainError:
-        raise
-    except Exception as exc:
-        translated = describe(exc)
-        if translated is None:
-            raise
-        raise translated from exc
-
-
-def describe(exc: BaseException) -> DrainError | None:
-    """A DrainError for an exception raised by pyspark or py4j; None for anything else."""
-    from drain import cli as core  # noqa: PLC0415
-
-    module = type(exc).__module__
-    if not module.startswith(("pyspark", "py4j")):
-        return None
-    text = str(exc)
-    if "org.postgresql.Driver" in text or "No suitable driver" in text:
-        return ConfigError(
-            "the Postgres JDBC driver is not on Spark's classpath: install "
-            "libpostgresql-jdbc-java (/usr/share/java/postgresql.jar), set DRAIN_SPARK_JDBC_JAR, "
-            "or pass spark-submit --jars postgresql.jar"
-        )
-    psql = re.search(r"PSQLException: (.+)", text)
-    if psql:
-        message = psql.group(1).strip()
-        if _UNREACHABLE.search(message):
-            return DatabaseUnavailable(f"database unavailable to Spark: {message}")
-        return core.UsageError(f"Postgres refused a Spark read: {message}")
-    raised = re.search(r"\[USER_RAISED_EXCEPTION\] (.+?)(?: SQLSTATE: \w+|$)", text, re.MULTILINE)
-    if raised:  # raise_error() in drain's own expressions: a NULL key, args...
-        return core.UsageError(raised.group(1).strip())
-    if type(exc).__name__ in ("AnalysisException", "ParseException"):
-        return core.UsageError(f"Spark: {_first_line(text)}")
-    found = [m for m in _PY_ERROR.finditer(text) if not m.group(1).startswith("Py4J")]
-    for match in reversed(found):
-        name, message = match.group(1), match.group(2).strip()
-        if name in ("PythonException", "SparkException"):
-            continue
-        if _UNREACHABLE.search(name + " " + message):
-            return DatabaseUnavailable(f"a Spark task could not reach the database: {message}")
-        return DrainError(f"a Spark task failed: {name}: {message}")
-    return DrainError(f"Spark failed: {_first_line(text)}")
-
-
-def _first_line(text: str) -> str:
-    stripped = text.strip()
-    line = stripped.splitlines()[0] if stripped else "unknown error"
-    return re.sub(r"\s*SQLSTATE: \w+;?$", "", line)
+spark_errors = errors.spark_errors
+describe = errors.describe
 
 
 # -- python -m drain.spark ----------------------------------------------------------------
@@ -417,22 +360,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``backfill`` or ``reconcile`` as ``drain`` would: one-line errors, exit codes."""
-    from drain import cli as core  # noqa: PLC0415
 
     args = build_parser().parse_args(argv)
-    core._configure_logging(args.verbose)
+    cli_common.configure_logging(args.verbose)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
     except KeyboardInterrupt:
-        return int(core.Exit.OK)
+        return int(cli_common.Exit.OK)
     except Exception as exc:
-        code = next((c for t, c in core._EXIT_CODES if isinstance(exc, t)), core.Exit.ERROR)
+        code = next((c for t, c in cli_common.EXIT_CODES if isinstance(exc, t)),
+                    cli_common.Exit.ERROR)
         if args.verbose:
-            core.log.exception("drain %s failed", args.command)
+            logging.getLogger("drain").exception("drain %s failed", args.command)
         text = str(exc) if isinstance(exc, DrainError) else f"{type(exc).__name__}: {exc}"
         text = text.strip().splitlines()[0] if text.strip() else text
         from drain import urls  # noqa: PLC0415
 
-        print(f"drain: error: {urls.scrub(text, core._secrets(args))}", file=sys.stderr)
+        print(f"drain: error: {urls.scrub(text, cli_common.secrets_in(args))}", file=sys.stderr)
         return int(code)

@@ -114,7 +114,7 @@ def jobs(
     from pyspark.sql import functions as F  # noqa: PLC0415 - pyspark is optional
 
     keyed = df.withColumn("_key", F.expr(mapping.key))
-    args, kwargs = _args_json(keyed, mapping), _kwargs_json(keyed, mapping)
+    args, kwargs = args_json(keyed, mapping), kwargs_json(keyed, mapping)
     key_text = F.coalesce(
         F.col("_key").cast("string"),
         F.raise_error(F.lit(f"a record's key ({mapping.key}) is NULL")),
@@ -187,7 +187,7 @@ def _uuid5(run_id: str, key_text: Column) -> Column:
     )
 
 
-def _args_json(df: DataFrame, mapping: Mapping) -> Column:
+def args_json(df: DataFrame, mapping: Mapping) -> Column:
     from pyspark.sql import functions as F  # noqa: PLC0415
     from pyspark.sql.types import ArrayType  # noqa: PLC0415
 
@@ -204,7 +204,7 @@ def _args_json(df: DataFrame, mapping: Mapping) -> Column:
     return F.concat(F.lit("["), F.concat_ws(",", *values), F.lit("]"))
 
 
-def _kwargs_json(df: DataFrame, mapping: Mapping) -> Column:
+def kwargs_json(df: DataFrame, mapping: Mapping) -> Column:
     from pyspark.sql import functions as F  # noqa: PLC0415
     from pyspark.sql.types import MapType, StructType  # noqa: PLC0415
 

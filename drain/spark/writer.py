@@ -26,9 +26,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import os
+import sys
 import time
 import warnings
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import psycopg
@@ -61,6 +64,14 @@ _COUNT = (
 
 class PartitioningError(DrainError):
     """A row reached a partition other than the one its key hashes to."""
+
+
+class PartitionError(DrainError):
+    """Postgres refused a partition's COPY or commit (the message names the partition)."""
+
+
+class ExecutorLost(DrainError):
+    """The executor feeding a partition died before its commit: the input may be short."""
 
 
 class InjectedFault(RuntimeError):
@@ -338,28 +349,78 @@ def _row_chunks(
         yield len(chunk), "".join(chunk).encode()
 
 
+def _feeder() -> tuple[int, int] | None:
+    """This Python worker's parent and grandparent (Linux; None elsewhere).
+
+    pyspark's Python workers are forked by its daemon, itself a child of the
+    executor JVM (or by the JVM directly). When that JVM dies, its sockets
+    close: an input stream cut at a batch boundary reads as a clean end
+    (Arrow and pickled batches alike), so a partition could look complete.
+    The dead JVM's children are reparented, so a changed pair means: do not
+    commit.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    parent = os.getppid()
+    try:
+        stat = Path(f"/proc/{parent}/stat").read_text()
+    except OSError:
+        return (parent, -1)
+    # pid (comm) state ppid ...: comm may contain spaces and parentheses.
+    return (parent, int(stat.rsplit(")", 1)[1].split()[1]))
+
+
 def _write_partition(
     config: WriterConfig, index: int, chunks: Iterable[tuple[int, bytes | memoryview]]
 ) -> PartitionResult:
+    feeder = _feeder()
     name = f"drain backfill {config.run_id} p{index}"
     with psycopg.connect(config.database_url, connect_timeout=10, autocommit=True,
                          application_name=name[:63]) as conn:
-        with conn.transaction():
-            claimed = conn.execute(
-                _CLAIM, (config.run_id, index, config.partitions, config.run_token)
-            ).fetchone()
-            if claimed is None:  # committed before: by this run (a retry) or an earlier one
-                earlier = conn.execute(_EARLIER, (config.run_id, index)).fetchone()
-                assert earlier is not None
-                this_run = earlier[1] == config.run_token
-                return PartitionResult(index, int(earlier[0]) if this_run else 0,
-                                       skipped=True, retried_after_commit=this_run)
-            count = 0
-            with conn.cursor().copy(_COPY) as copy:
-                for rows, payload in chunks:
-                    copy.write(payload)
-                    count += rows
-            conn.execute(_COUNT, (count, config.run_id, index))
-            _fault(config, index, "before_commit")
+        try:
+            result = _transaction(conn, config, index, chunks, feeder)
+        except psycopg.Error as exc:
+            raise PartitionError(
+                f"partition {index}: Postgres refused it: {_cause(exc)}; nothing of it was "
+                "staged"
+            ) from None
+        if result.skipped:
+            return result
         _fault(config, index, "after_commit")
+    return result
+
+
+def _cause(exc: psycopg.Error) -> str:
+    """Postgres' message and, for a COPY, the line and column it stopped at."""
+    text = first_line(exc)
+    context = (exc.diag.context or "").strip().splitlines()
+    return f"{text} ({context[0]})" if context else text
+
+
+def _transaction(
+    conn: psycopg.Connection[tuple[Any, ...]], config: WriterConfig, index: int,
+    chunks: Iterable[tuple[int, bytes | memoryview]], feeder: tuple[int, int] | None,
+) -> PartitionResult:
+    with conn.transaction():
+        claimed = conn.execute(
+            _CLAIM, (config.run_id, index, config.partitions, config.run_token)
+        ).fetchone()
+        if claimed is None:  # committed before: by this run (a retry) or an earlier one
+            earlier = conn.execute(_EARLIER, (config.run_id, index)).fetchone()
+            assert earlier is not None
+            this_run = earlier[1] == config.run_token
+            return PartitionResult(index, int(earlier[0]) if this_run else 0,
+                                   skipped=True, retried_after_commit=this_run)
+        count = 0
+        with conn.cursor().copy(_COPY) as copy:
+            for rows, payload in chunks:
+                copy.write(payload)
+                count += rows
+        conn.execute(_COUNT, (count, config.run_id, index))
+        _fault(config, index, "before_commit")
+        if _feeder() != feeder:
+            raise ExecutorLost(
+                f"partition {index}: the executor feeding it died while it was written "
+                "(its input may be cut short); nothing of it was staged, Spark retries it"
+            )
     return PartitionResult(index, count)

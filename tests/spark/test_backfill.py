@@ -291,3 +291,25 @@ def test_bad_input_is_a_one_line_usage_error(
     assert err.count("\n") == 1, err
     assert message in err
     assert helpers.staged(db_url) == []
+
+
+def test_partition_whose_feeding_executor_died_is_rolled_back(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An input cut short by a dead executor JVM looks complete: the writer sees its
+    parent chain change (reparented children) and does not commit."""
+    writer.prepare(db_url, "fed", 1)
+    config = writer.WriterConfig(db_url, "fed", 1, run_token=str(uuid.uuid4()))
+    lines = [
+        f"{mapping.task_id_for('fed', str(k))},\"{TASK}\",\"[]\",\"{{}}\",\"celery\",-10,"
+        f"\"backfill.fed\",,\n" for k in range(3)
+    ]
+    chain = iter([(100, 50), (100, 1)])  # at the start; before the commit: reparented
+    monkeypatch.setattr(writer, "_feeder", lambda: next(chain))
+    with pytest.raises(writer.ExecutorLost, match="partition 0: the executor feeding it died"):
+        writer._write_partition(config, 0, [(3, "".join(lines).encode())])
+    assert helpers.staged(db_url) == []
+    assert helpers.ledger(db_url, "fed") == {}
+    monkeypatch.setattr(writer, "_feeder", lambda: (100, 50))
+    assert writer._write_partition(config, 0, [(3, "".join(lines).encode())]).rows == 3
+    assert len(helpers.staged(db_url)) == 3

@@ -1,0 +1,110 @@
+"""Records that can never become a job, found before any COPY.
+
+:func:`reason` is a Spark SQL column: NULL for a record that can be staged,
+else why not, in :func:`drain.stage`'s words (drain/staging.py):
+
+* args or kwargs holding a NUL character (``\\u0000`` in their JSON): "args for
+  TASK contain a NUL character, which jsonb refuses";
+* a NaN or infinite float among the args or kwargs columns, which JSON cannot
+  hold (Spark would write the string ``"NaN"``): "kwargs for TASK are not
+  JSON-serialisable: Out of range float values are not JSON compliant: nan; ...".
+
+:func:`check` runs it over the source before the write (a pass without a
+shuffle, and only when the mapping has a string or float value): by default
+the first refused record ends the run, naming its key and partition, before
+anything is staged; with ``--rejects FILE`` every refused record is written to
+FILE (JSON lines: partition, key, reason) and the rest is staged.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from drain.errors import StagingError
+from drain.spark import mapping as mapping_
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame
+
+#: A ``\u0000`` escape preceded by an even number of backslashes (staging._JSON_NUL).
+JSON_NUL = r"(?<!\\)(?:\\\\)*\\u0000"
+_NOT_JSON = (
+    "{what} for {task} are not JSON-serialisable: Out of range float values are not JSON "
+    "compliant: {value}; convert them to lists, dicts, strings, numbers, booleans or None"
+)
+
+
+def reason(df: DataFrame, m: mapping_.Mapping) -> Column | None:
+    """Why a record of ``df`` cannot be staged (NULL: it can); None when no record can
+    be refused (no string or float among the mapping's values)."""
+    from pyspark.sql import functions as F  # noqa: PLC0415
+    from pyspark.sql.types import DoubleType, FloatType  # noqa: PLC0415
+
+    checks: list[Column] = []
+    keyed = df.withColumn("_key", F.expr(m.key))
+    for what, json_text, values in (
+        ("args", mapping_.args_json(keyed, m), _values(m.args, m.args_expr)),
+        ("kwargs", mapping_.kwargs_json(keyed, m), _values(m.kwargs, m.kwargs_expr)),
+    ):
+        if not values:
+            continue
+        types = [keyed.select(F.expr(v)).schema.fields[0].dataType for v in values]
+        if any("string" in t.simpleString() for t in types):
+            checks.append(F.when(
+                json_text.rlike(JSON_NUL),
+                F.lit(f"{what} for {m.task_name} contain a NUL character, which jsonb refuses"),
+            ))
+        for value, data_type in zip(values, types, strict=True):
+            if isinstance(data_type, (DoubleType, FloatType)):
+                column = F.expr(value)
+                shown = F.when(F.isnan(column), F.lit("nan")).when(
+                    column > 0, F.lit("inf")).otherwise(F.lit("-inf"))
+                head, _, tail = _NOT_JSON.format(what=what, task=m.task_name,
+                                                 value="\0").partition("\0")
+                checks.append(F.when(
+                    F.isnan(column) | (F.abs(column) == F.lit(float("inf"))),
+                    F.concat(F.lit(head), shown, F.lit(tail)),
+                ))
+    return F.coalesce(*checks) if checks else None
+
+
+def _values(columns: tuple[tuple[str, str], ...], expression: str | None) -> list[str]:
+    if expression:
+        return [expression]
+    return [f"`{column}`" if column.isidentifier() else column for _, column in columns]
+
+
+def check(df: DataFrame, m: mapping_.Mapping, partitions: int,
+          rejects_file: str | None) -> tuple[DataFrame, int]:
+    """``df`` without the records that cannot be staged, and how many those were.
+
+    Without ``rejects_file`` a refused record raises StagingError (naming its key
+    and partition) before anything is staged.
+    """
+    from pyspark.sql import functions as F  # noqa: PLC0415
+
+    why = reason(df, m)
+    if why is None:
+        return df, 0
+    key = F.expr(m.key)
+    refused = df.select(
+        F.pmod(F.hash(key), F.lit(partitions)).alias("partition"),
+        key.cast("string").alias("key"), why.alias("reason"),
+    ).filter(F.col("reason").isNotNull())
+    if rejects_file is None:
+        first = refused.limit(1).collect()
+        if first:
+            row = first[0]
+            raise StagingError(
+                f"record {row['key']} (partition {row['partition']}): {row['reason']}; "
+                "nothing was staged (--rejects FILE stages the other records and lists "
+                "the refused ones in FILE)"
+            )
+        return df, 0
+    count = 0
+    with open(rejects_file, "w", encoding="utf-8") as out:
+        for row in refused.toLocalIterator():
+            out.write(json.dumps(row.asDict(), sort_keys=True) + "\n")
+            count += 1
+    return (df.filter(why.isNull()) if count else df), count
