@@ -235,11 +235,10 @@ fi
 # the service, and afterwards nothing may answer on :9090 that did not answer before.
 prometheus_listening() { probe 127.0.0.1 9090 'GET /-/ready HTTP/1.0\r\n\r\n' 'H'; }
 
-install_promtool() {
-    local policy=/usr/sbin/policy-rc.d ours=0 was_listening=0 ok=0
-    if prometheus_listening; then
-        was_listening=1
-    fi
+# apt-get install PACKAGE with a policy-rc.d answering 101 in place (unless one exists), so
+# that invoke-rc.d and deb-systemd-invoke start none of its services while apt runs.
+apt_install_no_start() {  # package
+    local policy=/usr/sbin/policy-rc.d ours=0 ok=0
     if [[ ! -e $policy ]]; then
         trap 'rm -f /usr/sbin/policy-rc.d' EXIT
         printf '#!/bin/sh\n# drain ensure-services.sh: no service starts while apt runs\nexit 101\n' \
@@ -247,11 +246,20 @@ install_promtool() {
         chmod 755 "$policy"
         ours=1
     fi
-    apt_install prometheus || ok=1
+    apt_install "$1" || ok=1
     if ((ours)); then
         rm -f "$policy"
         trap - EXIT
     fi
+    return "$ok"
+}
+
+install_promtool() {
+    local was_listening=0 ok=0
+    if prometheus_listening; then
+        was_listening=1
+    fi
+    apt_install_no_start prometheus || ok=1
     if ((was_listening == 0)) && prometheus_listening; then
         say "promtool: the prometheus package started a server on :9090; stopping it"
         invoke-rc.d prometheus stop >/dev/null 2>&1 || service prometheus stop >/dev/null 2>&1 \
@@ -305,22 +313,11 @@ pgbouncer_binary() {
 pgbouncer_listening() { probe 127.0.0.1 6432 '\x00\x00\x00\x08\x04\xd2\x16\x2f' '[SN]'; }
 
 install_pgbouncer() {
-    local policy=/usr/sbin/policy-rc.d ours=0 was_listening=0 ok=0
+    local was_listening=0 ok=0
     if pgbouncer_listening; then
         was_listening=1
     fi
-    if [[ ! -e $policy ]]; then
-        trap 'rm -f /usr/sbin/policy-rc.d' EXIT
-        printf '#!/bin/sh\n# drain ensure-services.sh: no service starts while apt runs\nexit 101\n' \
-            >"$policy"
-        chmod 755 "$policy"
-        ours=1
-    fi
-    apt_install pgbouncer || ok=1
-    if ((ours)); then
-        rm -f "$policy"
-        trap - EXIT
-    fi
+    apt_install_no_start pgbouncer || ok=1
     if command -v systemctl >/dev/null; then
         systemctl disable pgbouncer >/dev/null 2>&1 || true
     fi
