@@ -196,7 +196,8 @@ $$;
 
 -- Jobs that will never be published, with the reason: 'expired' (expires_at
 -- passed while staged), 'too_large' (over the broker's max_message_size),
--- 'invalid' (cannot become a Celery message). `drain dead list / requeue /
+-- 'invalid' (cannot become a Celery message), 'unknown_task' (`drain run
+-- --app`: the app registers no such task). `drain dead list / requeue /
 -- purge` manage them. Unroutable messages are not dead-lettered: their rows
 -- stay staged until the queue exists.
 --

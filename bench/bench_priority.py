@@ -88,10 +88,11 @@ def main() -> int:
             published_at: dict[int, float] = {}
             build = runner.pipeline.builder.build
 
-            def watching_build(row: message.StagedRow, now: float | None = None) -> Any:
+            def watching_build(row: message.StagedRow, now: float | None = None,
+                               destination: message.Destination | None = None) -> Any:
                 if row.priority > 0:
                     published_at.setdefault(row.id, time.perf_counter())
-                return build(row, now)
+                return build(row, now, destination)
 
             runner.pipeline.builder.build = watching_build  # type: ignore[method-assign]
             thread = threading.Thread(target=runner.run, daemon=True)

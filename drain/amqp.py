@@ -61,14 +61,16 @@ def encode_properties(
     content_encoding: str,
     headers: dict[str, Any],
     delivery_mode: int,
-    priority: int,
+    priority: int | None,
     correlation_id: str,
     reply_to: str,
     expiration: str | None = None,
 ) -> bytes:
-    """The bytes ``pika.BasicProperties(...).encode()`` would produce for these fields."""
+    """The bytes ``pika.BasicProperties(...).encode()`` would produce for these fields
+    (``priority`` None: no priority property, as ``apply_async`` of a task without one)."""
     flags = (
-        _CONTENT_TYPE | _CONTENT_ENCODING | _HEADERS | _DELIVERY_MODE | _PRIORITY
+        _CONTENT_TYPE | _CONTENT_ENCODING | _HEADERS | _DELIVERY_MODE
+        | (_PRIORITY if priority is not None else 0)
         | _CORRELATION_ID | _REPLY_TO | (_EXPIRATION if expiration is not None else 0)
     )
     return b"".join(
@@ -77,7 +79,7 @@ def encode_properties(
             shortstr(content_type),
             shortstr(content_encoding),
             table(headers),
-            bytes((delivery_mode, priority)),
+            bytes((delivery_mode,) if priority is None else (delivery_mode, priority)),
             shortstr(correlation_id),
             shortstr(reply_to),
             shortstr(expiration) if expiration is not None else b"",
@@ -144,13 +146,15 @@ class CeleryPropertiesEncoder:
         self._c2 = k("shadow") + b"V" + k("eta") + b"V" + k("expires")
         self._c2b = (
             k("group") + b"V" + k("group_index") + b"V" + k("retries") + field(0)
-            + k("timelimit") + field([None, None]) + k("root_id")
+            + k("timelimit")
         )
+        self._no_timelimit = field([None, None])
+        self._c2c = k("root_id")
         self._c3 = k("parent_id") + b"V" + k("argsrepr")
         self._c4 = k("kwargsrepr")
-        self._c5 = (
-            k("origin") + field(origin) + k("ignore_result") + b"V"
-            + k("replaced_task_nesting") + field(0) + k("stamped_headers") + b"V"
+        self._c5 = k("origin") + field(origin) + k("ignore_result")
+        self._c5b = (
+            k("replaced_task_nesting") + field(0) + k("stamped_headers") + b"V"
             + k("stamps") + field({})
         )
         self._tag_key = k(TAG_HEADER)
@@ -161,6 +165,9 @@ class CeleryPropertiesEncoder:
         rest = shortstr("application/json") + shortstr("utf-8")
         self._prefix = struct.pack(">H", flags) + rest
         self._prefix_expiring = struct.pack(">H", flags | _EXPIRATION) + rest
+        unprioritised = flags & ~_PRIORITY
+        self._prefix_unprioritised = struct.pack(">H", unprioritised) + rest
+        self._prefix_unprioritised_expiring = struct.pack(">H", unprioritised | _EXPIRATION) + rest
         self._reply_to = shortstr(reply_to)
 
     def matches(self, origin: str, reply_to: str) -> bool:
@@ -175,22 +182,33 @@ class CeleryPropertiesEncoder:
         kwargsrepr: str,
         expires: str | None = None,
         tag: str | None = None,
-        priority: int = 0,
+        priority: int | None = 0,
         expiration: str | None = None,
+        timelimit: list[Any] | None = None,
+        ignore_result: bool | None = None,
     ) -> bytes:
+        """``timelimit`` None is ``[None, None]``; ``priority`` None leaves the
+        priority property out (what ``apply_async`` of a task without one sends)."""
         task_id_field = field(task_id)
         inner = b"".join(
             (
                 self._c0, field(task), self._c1, task_id_field, self._c2, field(expires),
-                self._c2b, task_id_field, self._c3, field(argsrepr), self._c4,
-                field(kwargsrepr), self._c5,
+                self._c2b, self._no_timelimit if timelimit is None else field(timelimit),
+                self._c2c, task_id_field, self._c3, field(argsrepr), self._c4,
+                field(kwargsrepr), self._c5, field(ignore_result), self._c5b,
                 b"" if tag is None else self._tag_key + field(tag),
             )
         )
+        if priority is None:
+            prefix = (self._prefix_unprioritised if expiration is None
+                      else self._prefix_unprioritised_expiring)
+            fixed = b"\x02"
+        else:
+            prefix = self._prefix if expiration is None else self._prefix_expiring
+            fixed = bytes((2, priority))
         return b"".join(
             (
-                self._prefix if expiration is None else self._prefix_expiring,
-                _pack_I(len(inner)), inner, bytes((2, priority)), shortstr(task_id),
+                prefix, _pack_I(len(inner)), inner, fixed, shortstr(task_id),
                 self._reply_to, b"" if expiration is None else shortstr(expiration),
             )
         )

@@ -185,6 +185,26 @@ def _add_run_parser(sub: Any) -> None:
         help="read the backlog, dead jobs and the oldest transaction from the database this "
         "often, on a connection of its own",
     )
+    p.add_argument(
+        "--app",
+        dest="celery_app",
+        default=env("DRAIN_CELERY_APP", ""),
+        metavar="MODULE[:ATTR]",
+        help="your Celery app, as for `celery -A` (imported from the current directory "
+        "and PYTHONPATH): each job goes to the exchange, routing key and queue its "
+        "apply_async would use (task_routes, task_queues, the task's own options), with "
+        "the task's time limits and priority, and queues are declared as the app "
+        "declares them; jobs of tasks it does not register go to dead_jobs "
+        "('unknown_task') (env DRAIN_CELERY_APP; default: none, every job goes to its "
+        "own queue through the default exchange)",
+    )
+    p.add_argument(
+        "--allow-unknown-tasks",
+        action="store_true",
+        default=env("DRAIN_ALLOW_UNKNOWN_TASKS", "") not in ("", "0", "false", "no"),
+        help="with --app: publish jobs of tasks the app does not register, routed as "
+        "its send_task would, instead of dead-lettering them (env DRAIN_ALLOW_UNKNOWN_TASKS)",
+    )
     add_lock_key(p)
     p.add_argument(
         "--exit-when-empty",

@@ -101,7 +101,8 @@ def settings_of(args: argparse.Namespace, **overrides: Any) -> config.Settings:
     for name in ("broker_url", "batch_size", "pipeline", "poll_interval", "confirm_timeout",
                  "db_timeout",
                  "queue_declare", "lock_key", "queue_max_priority", "max_message_size",
-                 "fetch_strategy", "rescan_interval", "lanes", "lane"):
+                 "fetch_strategy", "rescan_interval", "lanes", "lane", "celery_app",
+                 "allow_unknown_tasks"):
         if hasattr(args, name):
             values[name] = getattr(args, name)
     values.update(overrides)

@@ -22,7 +22,7 @@ from drain.cli_common import Exit, UsageError, add_database, duration, settings_
 
 def _add_dead_filters(parser: argparse.ArgumentParser, *, older_than_required: bool) -> None:
     add_database(parser)
-    parser.add_argument("--reason", help="expired, too_large or invalid")
+    parser.add_argument("--reason", help="expired, too_large, invalid or unknown_task")
     parser.add_argument("--task", help="task name")
     parser.add_argument("--tag", help="tag")
     parser.add_argument("--queue", help="queue")
@@ -39,7 +39,8 @@ def add_dead_parser(sub: Any) -> None:
         help="jobs that will never be published: list, requeue, purge",
         description="dead_jobs holds the jobs the drain set aside with a reason: "
         "'expired' (expires_at passed while staged), 'too_large' (over "
-        "--max-message-size), 'invalid' (cannot become a Celery message).",
+        "--max-message-size), 'invalid' (cannot become a Celery message), 'unknown_task' "
+        "(with --app: the app registers no such task).",
     )
     dead_sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     q = dead_sub.add_parser("list", help="show matching dead jobs, newest first")

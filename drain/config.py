@@ -84,6 +84,14 @@ class Settings:
     #: under its own lock, so ``lanes`` drains can run in parallel.
     lanes: int = 1
     lane: int = 0
+    #: The user's Celery app, ``MODULE:ATTR`` or ``MODULE`` as for ``celery -A``
+    #: (drain.celery_app): rows are routed, declared and sent as its
+    #: ``apply_async`` would (drain.routing). Empty: every row goes through the
+    #: default exchange to its own queue, declared durable.
+    celery_app: str = ""
+    #: With ``celery_app``: publish rows whose task the app does not know (as
+    #: ``send_task`` would) instead of moving them to dead_jobs ('unknown_task').
+    allow_unknown_tasks: bool = False
 
     def __post_init__(self) -> None:
         positive = {
@@ -127,9 +135,17 @@ class Settings:
                 raise ConfigError(
                     f"{what} must be {' or '.join(repr(a) for a in allowed)}, got {choice!r}"
                 )
+        self._check_app()
         # Parse both URLs now so that a malformed one fails at start, not later.
         database_conninfo(self.database_url)
         broker_parameters(self.broker_url)
+
+    def _check_app(self) -> None:
+        if self.celery_app and self.queue_max_priority:
+            raise ConfigError("--queue-max-priority does not go with --app: the app's "
+                              "task_queue_max_priority and task_queues decide")
+        if self.allow_unknown_tasks and not self.celery_app:
+            raise ConfigError("--allow-unknown-tasks needs --app")
 
     def __repr__(self) -> str:
         fields = ", ".join(
@@ -156,6 +172,7 @@ class Settings:
             f"queue_declare={self.queue_declare} queue_max_priority={self.queue_max_priority} "
             f"max_message_size={self.max_message_size} fetch={self.fetch_strategy}"
             + (f" lane={self.lane}/{self.lanes}" if self.lanes > 1 else "")
+            + (f" app={self.celery_app}" if self.celery_app else "")
         )
 
     def secrets(self) -> list[str]:

@@ -57,6 +57,29 @@ class StagedRow:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Destination:
+    """Where, and with which task options, the user's Celery app sends a task
+    (drain.routing works it out as ``apply_async`` does); without an app the
+    drain sends every row through the default exchange to its own queue."""
+
+    #: The exchange and routing key to publish with.
+    exchange: str
+    routing_key: str
+    #: The app's queue the message is meant for: declared before publishing.
+    queue: str
+    #: The AMQP priority ``apply_async`` sends (the task's, the route's or the
+    #: app's default); None: no priority property.
+    priority: int | None = None
+    #: The queue's ``x-max-priority`` (0: none): a row's own non-zero priority is
+    #: sent instead of ``priority``, clamped to 0..max_priority.
+    max_priority: int = 0
+    #: The ``timelimit`` header, ``[hard, soft]`` (the task's time limits).
+    timelimit: tuple[int | float | None, int | float | None] = (None, None)
+    #: The ``ignore_result`` header (the task's own).
+    ignore_result: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Message:
     """A ready-to-publish AMQP message for one staged row."""
 
@@ -68,6 +91,19 @@ class Message:
     body: bytes
     #: ``headers`` and ``properties`` in AMQP wire form (see drain.amqp).
     encoded_properties: bytes
+    exchange: str = ""
+    #: The queue declared for it ("": ``routing_key``, the row's queue).
+    queue: str = ""
+    #: The row's ``queue`` column: the unit the drain pauses ("": ``routing_key``).
+    staged_queue: str = ""
+
+    @property
+    def declared_queue(self) -> str:
+        return self.queue or self.routing_key
+
+    @property
+    def pause_key(self) -> str:
+        return self.staged_queue or self.routing_key
 
 
 def origin() -> str:
@@ -84,9 +120,11 @@ class Builder:
         self.max_priority = max_priority
         self._encoder = amqp.CeleryPropertiesEncoder(origin=origin, reply_to=reply_to)
 
-    def build(self, row: StagedRow, now: float | None = None) -> Message:
+    def build(self, row: StagedRow, now: float | None = None,
+              destination: Destination | None = None) -> Message:
         return build(row, origin=self.origin, reply_to=self.reply_to,
-                     max_priority=self.max_priority, now=now, encoder=self._encoder)
+                     max_priority=self.max_priority, now=now, encoder=self._encoder,
+                     destination=destination)
 
 
 def amqp_priority(priority: int, max_priority: int) -> int:
@@ -106,17 +144,24 @@ def build(
     max_priority: int = 0,
     now: float | None = None,
     encoder: amqp.CeleryPropertiesEncoder | None = None,
+    destination: Destination | None = None,
 ) -> Message:
     """What ``send_task(name, args, kwargs, task_id=..., queue=..., expires=...)`` sends.
 
     A row's ``expires_at`` becomes Celery's ``expires`` header (ISO 8601, UTC)
     and the AMQP ``expiration`` property (milliseconds left, at ``now``), as
     Celery 5.2+ sends them; its ``tag`` the extra ``drain_tag`` header.
+
+    With a ``destination`` (the user's app, drain.routing), the message is what
+    that app's ``task.apply_async(args, kwargs, task_id=...)`` sends: to its
+    exchange and routing key, with the task's time limits, ``ignore_result``
+    and default priority (a row's own non-zero priority wins, on a priority queue).
     """
     task_id = str(row.task_id)
     args = json.loads(row.args_json)
     kwargs = json.loads(row.kwargs_json)
-    argsrepr = task_repr(args)
+    # Celery sends ``args or ()``: empty args show as "()", as the worker logs them.
+    argsrepr = task_repr(args) if args else "()"
     kwargsrepr = task_repr(kwargs)
     expires: str | None = None
     expiration: str | None = None
@@ -124,7 +169,16 @@ def build(
         expires = row.expires_at.astimezone(dt.timezone.utc).isoformat()
         left = row.expires_at.timestamp() - (time.time() if now is None else now)
         expiration = str(int(max(left, 0.0) * 1000))
-    priority = amqp_priority(row.priority, max_priority)
+    timelimit: list[Any] = [None, None]
+    ignore_result: bool | None = None  # "whatever the task says", as with send_task()
+    priority: int | None
+    if destination is None:
+        priority = amqp_priority(row.priority, max_priority)
+    else:
+        timelimit = list(destination.timelimit)
+        ignore_result = destination.ignore_result
+        priority = (amqp_priority(row.priority, destination.max_priority)
+                    if row.priority and destination.max_priority else destination.priority)
     headers: dict[str, Any] = {
         "lang": "py",
         "task": row.task_name,
@@ -135,14 +189,13 @@ def build(
         "group": None,
         "group_index": None,
         "retries": 0,
-        "timelimit": [None, None],
+        "timelimit": timelimit,
         "root_id": task_id,
         "parent_id": None,
         "argsrepr": argsrepr,
         "kwargsrepr": kwargsrepr,
         "origin": origin,
-        # None means "whatever the task says", as with send_task().
-        "ignore_result": None,
+        "ignore_result": ignore_result,
         "replaced_task_nesting": 0,
         "stamped_headers": None,
         "stamps": {},
@@ -157,13 +210,18 @@ def build(
         "correlation_id": task_id,
         "reply_to": reply_to,
     }
+    if priority is None:
+        del properties["priority"]
     if expiration is not None:
         properties["expiration"] = expiration
     body = f"[{ascii_json(row.args_json)}, {ascii_json(row.kwargs_json)}, {_EMBED}]".encode()
     return Message(
         row_id=row.id,
         task_id=task_id,
-        routing_key=row.queue,
+        routing_key=row.queue if destination is None else destination.routing_key,
+        exchange="" if destination is None else destination.exchange,
+        queue="" if destination is None else destination.queue,
+        staged_queue=row.queue,
         headers=headers,
         properties=properties,
         body=body,
@@ -171,9 +229,10 @@ def build(
             encoder.encode(
                 task=row.task_name, task_id=task_id, argsrepr=argsrepr, kwargsrepr=kwargsrepr,
                 expires=expires, tag=row.tag, priority=priority, expiration=expiration,
+                timelimit=timelimit, ignore_result=ignore_result,
             )
             if encoder is not None and encoder.matches(origin, reply_to)
-            else amqp.encode_properties(headers=headers, **properties)
+            else amqp.encode_properties(headers=headers, **{"priority": None, **properties})
         ),
     )
 

@@ -66,7 +66,8 @@ class Metrics:
             "drain_deleted", "Rows deleted from staged_jobs after the broker confirmed them.")
         self.dead_lettered = counter(
             "drain_dead_lettered",
-            "Rows moved to dead_jobs by this process, by reason (expired, too_large, invalid).",
+            "Rows moved to dead_jobs by this process, by reason (expired, too_large, invalid, "
+            "unknown_task).",
             ("reason",))
         self.expired = counter(
             "drain_expired", "Rows that expired before publishing (also in dead_lettered).")
@@ -134,7 +135,7 @@ class Metrics:
             "drain_sample_timestamp_seconds", "Unix time of the last successful sample.")
         # Labelled counters exist from the start, so that rate() and increase()
         # see their first step (a series born at 1 would look like no increase).
-        for reason in ("expired", "too_large", "invalid"):
+        for reason in ("expired", "too_large", "invalid", "unknown_task"):
             self.dead_lettered.labels(reason)
         for target in ("database", "broker"):
             self.reconnects.labels(target)

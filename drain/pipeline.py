@@ -28,9 +28,10 @@ from drain.errors import (
     DatabaseUnavailable,
     QueueDeclareRefused,
 )
-from drain.message import StagedRow
+from drain.message import Destination, StagedRow
 from drain.metrics import Metrics
 from drain.publisher import Batch, Publisher, PublishResult
+from drain.routing import AppRouter, UnknownTask
 from drain.store import Store
 
 log = logging.getLogger(__name__)
@@ -60,8 +61,11 @@ class Pipeline:
         on_cycle: Callable[[int, int], None] | None = None,
         on_fetch: Callable[[float, int], None] | None = None,
         on_expire: Callable[[float, int], None] | None = None,
+        router: AppRouter | None = None,
     ) -> None:
         self.settings = settings
+        #: The user's Celery app's routing (drain.routing), with ``--app``.
+        self.router = router
         self.metrics = metrics
         self._store = store
         self._publisher = publisher
@@ -237,20 +241,51 @@ class Pipeline:
         return rows
 
     def _start(self, rows: list[StagedRow], doomed: list[tuple[int, str, str]]) -> Batch | None:
-        """Declare the rows' queues and publish the rows whose queues were accepted."""
-        refused = self._publisher.declare({row.queue for row in rows})
+        """Declare the rows' queues and publish the rows whose queues were accepted.
+
+        With an app, each row goes to the queue the app routes it to; a refused
+        queue pauses the staged queues of the rows routed to it (the unit the
+        fetch leaves out)."""
+        routed = self.router is not None
+        destinations = self._route(rows, doomed) if routed else {}
+        if routed:
+            rows = [row for row in rows if row.id in destinations]
+
+        def target(row: StagedRow) -> str:
+            return destinations[row.id].queue if routed else row.queue
+
+        refused = self._publisher.declare({target(row) for row in rows})
         for queue, reason in refused.items():
             refusal = QueueDeclareRefused(queue, reason, self.settings.queue_declare)
-            self._pause(queue, str(refusal))
-        publishable = [row for row in rows if row.queue not in refused]
+            for staged in sorted({row.queue for row in rows if target(row) == queue}):
+                self._pause(staged, str(refusal))
+        publishable = [row for row in rows if target(row) not in refused]
         if not publishable:
             return None
         self._prove_lock()
         return self._publisher.start(
-            self._messages(publishable, doomed),
-            queues={row.queue for row in publishable},
+            self._messages(publishable, doomed, destinations),
+            queues={target(row) for row in publishable},
             count=len(publishable),
         )
+
+    def _route(self, rows: list[StagedRow],
+               doomed: list[tuple[int, str, str]]) -> dict[int, Destination]:
+        """Each row's destination in the app (drain.routing); a task the app does
+        not know goes to ``doomed`` as 'unknown_task', a row it cannot route as
+        'invalid'."""
+        router = self.router
+        assert router is not None
+        found: dict[int, Destination] = {}
+        for row in rows:
+            try:
+                found[row.id] = router.destination(row)
+            except UnknownTask as exc:
+                doomed.append((row.id, "unknown_task", str(exc)[:1000]))
+            except Exception as exc:
+                doomed.append((row.id, "invalid",
+                               f"routing: {type(exc).__name__}: {exc}"[:1000]))
+        return found
 
     def _prove_lock(self) -> None:
         """Before publishing a batch fetched a while ago, prove the lock is still ours.
@@ -275,14 +310,15 @@ class Pipeline:
             raise
 
     def _messages(
-        self, rows: list[StagedRow], doomed: list[tuple[int, str, str]]
+        self, rows: list[StagedRow], doomed: list[tuple[int, str, str]],
+        destinations: dict[int, Destination],
     ) -> Iterator[message.Message]:
         """Build each row's message; a row that can never be one goes to ``doomed``."""
         now = time.time()
         limit = self.settings.max_message_size
         for row in rows:
             try:
-                built = self.builder.build(row, now=now)
+                built = self.builder.build(row, now=now, destination=destinations.get(row.id))
             except Exception as exc:
                 doomed.append((row.id, "invalid", f"{type(exc).__name__}: {exc}"[:1000]))
                 continue
@@ -307,6 +343,10 @@ class Pipeline:
         past those rows (drain.keyset, "Paused queues") while the broker still
         refuses it: a fetch never steps over the pile just to find that out.
         """
+        if self.router is not None:
+            # Staged queues are not the app's queues: a paused one is fetched again
+            # once its pause ran out, routed, and declared (or paused for longer).
+            return
         now = time.monotonic()
         due = {queue for queue, (until, _, _) in self.paused.items() if until <= now}
         if not due:
@@ -340,10 +380,11 @@ class Pipeline:
         self.metrics.unroutable.inc(len(result.returned))
         self.metrics.nacked.inc(result.nacked)
         self._resume(result.confirmed_queues - result.returned_queues)
-        for queue in sorted(result.returned_queues):
+        for queue in sorted(result.returned_declared):
             # Unroutable: nothing bound to it (deleted behind our back?). Declare
             # it again next time; meanwhile its rows stay staged.
             self._publisher.forget(queue)
+        for queue in sorted(result.returned_queues):
             self._pause(queue, f"messages to queue {queue!r} came back unroutable (no queue "
                                "bound); their rows stay staged")
         if result.nacked:

@@ -45,7 +45,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import pika
@@ -53,7 +53,7 @@ import pika
 from drain.amqp import EncodedProperties
 from drain.errors import BrokerBlocked, BrokerUnavailable, QueueDeclareRefused
 from drain.message import Message
-from drain.queue_declare import QueueDeclaringLink
+from drain.queue_declare import QueueDeclaringLink, QueueSpec
 
 #: A message's status in its batch: pending until acked or nacked; _RETURNED is
 #: a flag set by a basic.return (before the ack that resolves it).
@@ -122,10 +122,12 @@ class PublishResult:
     #: Set when the batch ended early (connection lost, confirm timeout);
     #: the confirmed rows are still safe to delete.
     error: BrokerUnavailable | None = None
-    #: The queues of the returned messages.
+    #: The (staged) queues of the returned messages: the drain pauses these.
     returned_queues: set[str] = dataclasses.field(default_factory=set)
-    #: The queues of the acked messages.
+    #: The (staged) queues of the acked messages.
     confirmed_queues: set[str] = dataclasses.field(default_factory=set)
+    #: The queues declared for the returned messages: declared again next time.
+    returned_declared: set[str] = dataclasses.field(default_factory=set)
 
 
 class Publisher(QueueDeclaringLink):
@@ -141,10 +143,11 @@ class Publisher(QueueDeclaringLink):
         connect_timeout: float = 10.0,
         secrets: list[str] | None = None,
         queue_max_priority: int = 0,
+        specs: Callable[[str], QueueSpec] | None = None,
     ) -> None:
         super().__init__(parameters, display_url=display_url, declare=declare,
                          connect_timeout=connect_timeout, secrets=secrets,
-                         queue_max_priority=queue_max_priority)
+                         queue_max_priority=queue_max_priority, specs=specs)
         self._confirm_timeout = confirm_timeout
         # Batches published and not yet waited for, oldest first.
         self._inflight: list[Batch] = []
@@ -198,7 +201,7 @@ class Publisher(QueueDeclaringLink):
             for m in messages:
                 batch.messages.append(m)
                 channel.basic_publish(
-                    exchange="",
+                    exchange=m.exchange,
                     routing_key=m.routing_key,
                     body=m.body,
                     properties=EncodedProperties(m.encoded_properties),
@@ -269,18 +272,19 @@ class Publisher(QueueDeclaringLink):
         status = batch.status
         returned = [m for i, m in enumerate(batch.messages) if status[i] & _RETURNED]
         confirmed_queues = {
-            m.routing_key for i, m in enumerate(batch.messages) if status[i] & _ACKED
+            m.pause_key for i, m in enumerate(batch.messages) if status[i] & _ACKED
         }
         confirmed = [m.row_id for i, m in enumerate(batch.messages) if status[i] == _ACKED]
         nacked = sum(1 for value in status if value & _NACKED)
         return PublishResult(
             confirmed, [m.row_id for m in returned], nacked, error,
-            {m.routing_key for m in returned}, confirmed_queues,
+            {m.pause_key for m in returned}, confirmed_queues,
+            {m.declared_queue for m in returned},
         )
 
     def publish(self, messages: Sequence[Message]) -> PublishResult:
         """Declare, publish a batch and wait for its confirms (for tools and tests)."""
-        queues = {m.routing_key for m in messages}
+        queues = {m.declared_queue for m in messages}
         refused = self.declare(queues)
         if refused:
             queue, reason = next(iter(refused.items()))
@@ -294,13 +298,15 @@ class Publisher(QueueDeclaringLink):
         """Flag the publish this return is for (see the module's docstring)."""
         task_id = str(properties.correlation_id)
         routing_key = method.routing_key
+        exchange = method.exchange
         above = self._confirmed_up_to
         for batch in self._inflight:
             if batch.generation != self._generation or batch.base + len(batch.status) <= above:
                 continue
             for i in range(max(above - batch.base, 0), len(batch.messages)):
                 m = batch.messages[i]
-                if m.task_id == task_id and m.routing_key == routing_key:
+                if (m.task_id == task_id and m.routing_key == routing_key
+                        and m.exchange == exchange):
                     batch.status[i] |= _RETURNED
 
     def _on_confirm(self, frame: Any) -> None:

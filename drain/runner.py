@@ -36,7 +36,7 @@ from types import FrameType
 
 import tenacity
 
-from drain import keyset, reachable, wakeup
+from drain import keyset, reachable, routing, wakeup
 from drain.config import Settings
 from drain.errors import (
     BatchConflict,
@@ -109,6 +109,8 @@ class Drain:
             "database": functools.partial(reachable.addresses, settings.database_url),
             "broker": functools.partial(reachable.tcp_addresses, broker.host, broker.port),
         }
+        #: The user's Celery app's routing, with --app (drain.routing).
+        self.router = routing.of_settings(settings)
         self._publisher = Publisher(
             broker,
             display_url=mask_url(settings.broker_url),
@@ -116,10 +118,12 @@ class Drain:
             confirm_timeout=settings.confirm_timeout,
             secrets=self._secrets,
             queue_max_priority=settings.queue_max_priority,
+            specs=self.router.spec if self.router else None,
         )
         #: The data path while this drain leads (drain.pipeline).
         self.pipeline = Pipeline(settings, self._store, self._publisher, self.metrics,
-                                 on_cycle=on_cycle, on_fetch=on_fetch, on_expire=on_expire)
+                                 on_cycle=on_cycle, on_fetch=on_fetch, on_expire=on_expire,
+                                 router=self.router)
         self._watchdog = Watchdog(settings, self._store, heartbeat=lambda: self._heartbeat,
                                   state=lambda: self.state.value)
         self._stopping = False

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from drain import cli
 from drain.config import Settings
 from drain.dead import format_duration, parse_duration
 from drain.errors import ConfigError
@@ -254,3 +255,19 @@ def test_durations(text: str, seconds: float, spelled: str) -> None:
 def test_bad_durations(text: str) -> None:
     with pytest.raises(ConfigError, match="not a duration"):
         parse_duration(text)
+
+
+def test_app_settings() -> None:
+    assert "app=proj.celery:app" in Settings(celery_app="proj.celery:app").describe()
+    with pytest.raises(ConfigError, match="does not go with --app"):
+        Settings(celery_app="proj", queue_max_priority=10)
+    with pytest.raises(ConfigError, match="needs --app"):
+        Settings(allow_unknown_tasks=True)
+
+
+def test_run_parser_reads_the_app_from_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DRAIN_CELERY_APP", "proj")
+    args = cli.build_parser().parse_args(["run"])
+    assert (args.celery_app, args.allow_unknown_tasks) == ("proj", False)
+    args = cli.build_parser().parse_args(["run", "--app", "other:app", "--allow-unknown-tasks"])
+    assert (args.celery_app, args.allow_unknown_tasks) == ("other:app", True)

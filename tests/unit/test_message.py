@@ -168,3 +168,37 @@ def test_expiry_tag_and_priority_as_celery_sends_them() -> None:
 )
 def test_amqp_priority(priority: int, max_priority: int, expected: int) -> None:
     assert message.amqp_priority(priority, max_priority) == expected
+
+
+def test_destination_options_encode_as_pika_does() -> None:
+    """With an app's destination: time limits, ignore_result and no priority property."""
+    rng = random.Random(13)
+    builder = message.Builder(origin="gen42@host.example", reply_to=str(uuid.uuid4()))
+    for i in range(200):
+        destination = message.Destination(
+            exchange=rng.choice(["", "topic"]), routing_key=f"rk.{i}", queue=f"q{i}",
+            priority=rng.choice([None, 0, 4]), max_priority=rng.choice([0, 10]),
+            timelimit=rng.choice([(None, None), (60, 50), (None, 30)]),
+            ignore_result=rng.choice([None, True, False]),
+        )
+        row = _row([i], {"k": i}, priority=rng.randrange(-3, 20), tag=rng.choice([None, "t"]))
+        fast = builder.build(row, now=1_800_000_000.0, destination=destination)
+        slow = message.build(row, origin=builder.origin, reply_to=builder.reply_to,
+                             now=1_800_000_000.0, destination=destination)
+        assert fast.encoded_properties == slow.encoded_properties
+        assert fast.encoded_properties == b"".join(
+            pika.BasicProperties(headers=fast.headers, **fast.properties).encode()
+        )
+        assert (fast.exchange, fast.routing_key, fast.declared_queue, fast.pause_key) == (
+            destination.exchange, f"rk.{i}", f"q{i}", row.queue)
+        assert fast.headers["timelimit"] == list(destination.timelimit)
+        assert fast.headers["ignore_result"] is destination.ignore_result
+        if row.priority and destination.max_priority:  # the row's own, clamped
+            assert fast.properties["priority"] == max(0, min(row.priority,
+                                                             destination.max_priority))
+        else:
+            assert fast.properties.get("priority") == destination.priority
+
+
+def test_empty_args_show_as_celery_shows_them() -> None:
+    assert message.build(_row([], {}), origin="o", reply_to="r").headers["argsrepr"] == "()"

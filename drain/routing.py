@@ -1,0 +1,215 @@
+"""Where the user's Celery app sends each task, and how it declares its queues.
+
+With ``drain run --app``, each staged row is sent where, and as,
+``task.apply_async(args, kwargs, task_id=...)`` of that app would send it:
+
+1. The options ``apply_async`` starts from: the registered task's own
+   publishing attributes (``queue``, ``routing_key``, ``exchange``,
+   ``priority``, ``time_limit``, ``soft_time_limit``... which Celery fills in
+   from the app's ``task_default_priority``, ``task_time_limit``...), and the
+   row's queue when it names one.
+2. Celery's own router, ``app.amqp.router.route(options, name, args, kwargs,
+   task)``: ``task_routes`` in every form (dicts, globs, regexes, router
+   functions), ``task_queues`` (a queue name resolves to the app's kombu
+   ``Queue``, its exchange and routing key), ``task_default_queue`` and
+   ``task_create_missing_queues``.
+3. What Celery's ``send_task_message`` then does with the routed options
+   (:func:`_publish_target`): a direct exchange without a routing key goes
+   through the default exchange ``''`` with the queue's name, anything else to
+   the route's (or the queue's) exchange and routing key.
+
+The queue a message is meant for is declared as the app declares it
+(:meth:`AppRouter.spec`): its exchange with its type, the queue with its
+arguments (``x-queue-type``, ``x-max-priority``, TTLs...), its bindings.
+
+A row whose ``queue`` is the column's default (``'celery'``) counts as "no
+queue given" and is routed like ``apply_async`` without ``queue=`` (until the
+schema can say so itself); any other queue is ``apply_async(queue=...)``.
+
+Routing costs a call into Celery per row only when the app has router
+functions (which may look at the arguments); routes that are plain mappings
+give one answer per (task name, queue), cached.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from celery import Celery
+from celery.app.routes import MapRoute
+from kombu.entity import Exchange, Queue
+from kombu.transport.base import to_rabbitmq_queue_arguments
+
+from drain import celery_app
+from drain.config import Settings
+from drain.message import Destination, StagedRow
+from drain.queue_declare import BindingSpec, ExchangeSpec, QueueSpec
+from drain.staging import DEFAULT_QUEUE
+
+log = logging.getLogger(__name__)
+
+#: The task attributes ``apply_async`` starts its options from (Celery's
+#: ``extract_exec_options``), read as the public attributes they are.
+EXEC_OPTIONS = (
+    "queue", "routing_key", "exchange", "priority", "expires", "serializer",
+    "delivery_mode", "compression", "time_limit", "soft_time_limit", "immediate", "mandatory",
+)
+#: A staged row with this queue (the column's default) gave none.
+UNROUTED = DEFAULT_QUEUE
+
+
+class UnknownTask(Exception):
+    """The row's task is not registered in the app."""
+
+
+class Unroutable(Exception):
+    """The app's routing gives no queue for the row."""
+
+
+def of_settings(settings: Settings) -> AppRouter | None:
+    """The router of ``settings.celery_app`` (loaded now), or None without one."""
+    if not settings.celery_app:
+        return None
+    return AppRouter(celery_app.load(settings.celery_app),
+                     allow_unknown=settings.allow_unknown_tasks)
+
+
+class AppRouter:
+    """Routes rows as one Celery app's ``apply_async`` does."""
+
+    def __init__(self, app: Celery, *, allow_unknown: bool = False) -> None:
+        self.app = app
+        self.allow_unknown = allow_unknown
+        self._tasks = app.tasks
+        #: Plain mapping routes only: the answer depends on the task name and queue.
+        self.static = all(isinstance(route, MapRoute) for route in app.amqp.routes)
+        self._cache: dict[tuple[str, str | None], Destination] = {}
+        self._specs: dict[str, QueueSpec] = {}
+
+    def destination(self, row: StagedRow) -> Destination:
+        """Where ``apply_async`` sends this row's task (raises :class:`UnknownTask`)."""
+        queue = None if row.queue == UNROUTED else row.queue
+        key = (row.task_name, queue)
+        if self.static:
+            cached = self._cache.get(key)
+            if cached is not None:
+                return cached
+        task = self._tasks.get(row.task_name)
+        if task is None and not self.allow_unknown:
+            raise UnknownTask(f"task {row.task_name!r} is not registered in the Celery app "
+                              f"{self.app.main!r}")
+        args: Any = ()
+        kwargs: Any = {}
+        if not self.static:  # router functions may look at them
+            args, kwargs = json.loads(row.args_json), json.loads(row.kwargs_json)
+        found = self._resolve(row.task_name, task, queue, args, kwargs)
+        if self.static:
+            self._cache[key] = found
+        return found
+
+    def spec(self, queue: str) -> QueueSpec:
+        """How the app declares ``queue`` (what kombu's ``Queue.declare`` sends)."""
+        found = self._specs.get(queue)
+        if found is None:
+            found = self._specs[queue] = queue_spec(self.app.amqp.queues[queue])
+        return found
+
+    def _resolve(self, name: str, task: Any, queue: str | None,
+                 args: Any, kwargs: Any) -> Destination:
+        # Task.apply_async: dict(task exec options, **options), then send_task.
+        options: dict[str, Any] = (
+            {option: getattr(task, option, None) for option in EXEC_OPTIONS}
+            if task is not None else {}
+        )
+        if queue is not None:
+            options["queue"] = queue
+        time_limit = options.pop("time_limit", None)
+        soft_time_limit = options.pop("soft_time_limit", None)
+        options.pop("expires", None)  # the row's expires_at decides (drain.message)
+        ignore_result = getattr(task, "ignore_result", None) if task is not None else None
+        routed = self.app.amqp.router.route(options, name, args, kwargs, task)
+        target, exchange, routing_key = _publish_target(self.app, routed)
+        arguments = self.spec(target.name).arguments or {}
+        # Celery's router drops a None priority when it merges a route (kombu then
+        # publishes 0) and keeps it when it returns the options as they came (no
+        # priority property at all): the same here.
+        priority = routed.get("priority", 0)
+        return Destination(
+            exchange=exchange,
+            routing_key=routing_key,
+            queue=target.name,
+            priority=None if priority is None else int(priority),
+            max_priority=int(arguments.get("x-max-priority") or 0),
+            timelimit=(_header_number(time_limit), _header_number(soft_time_limit)),
+            ignore_result=None if ignore_result is None else bool(ignore_result),
+        )
+
+
+def _publish_target(app: Celery, routed: dict[str, Any]) -> tuple[Queue, str, str]:
+    """The queue to declare, the exchange and the routing key that the app's
+    publishing makes of the routed options (Celery has no public call for it).
+
+    The app's kombu ``Queue`` is the one named by the route, or the default
+    queue when the route names neither a queue nor an exchange. A direct route
+    that lacks its exchange or its routing key goes through the default
+    exchange, keyed by the queue's name; any other route without an exchange
+    takes the queue's exchange (else the app's default) and the route's key,
+    else the queue's, else the app's default key.
+    """
+    queue = routed.get("queue")
+    if queue is None and routed.get("exchange") is None:
+        queue = app.amqp.default_queue
+    if isinstance(queue, str):
+        queue = app.amqp.queues[queue]
+    if not isinstance(queue, Queue):
+        raise Unroutable(f"the app routes it to no queue (route: {routed!r})")
+    exchange = routed.get("exchange")
+    key = routed.get("routing_key")
+    kind = routed.get("exchange_type") or getattr(queue.exchange, "type", None) or "direct"
+    if kind == "direct" and not (exchange and key):
+        return queue, "", str(queue.name)
+    if exchange is None:
+        exchange = getattr(queue.exchange, "name", None) or app.amqp.default_exchange
+        key = key or queue.routing_key or app.conf.task_default_routing_key
+    name = exchange.name if isinstance(exchange, Exchange) else exchange
+    return queue, str(name or ""), str(key or "")
+
+
+def queue_spec(queue: Any) -> QueueSpec:
+    """A kombu ``Queue`` as drain.queue_declare declares it, as ``Queue.declare`` would."""
+    arguments = to_rabbitmq_queue_arguments(
+        queue.queue_arguments or {}, expires=queue.expires, message_ttl=queue.message_ttl,
+        max_length=queue.max_length, max_length_bytes=queue.max_length_bytes,
+        max_priority=queue.max_priority,
+    )
+    bindings: list[BindingSpec] = []
+    if queue.exchange is not None and queue.exchange.name:
+        bindings.append(BindingSpec(_exchange_spec(queue.exchange), queue.routing_key or "",
+                                    queue.binding_arguments or None,
+                                    declare_exchange=not queue.exchange.no_declare))
+    for binding in queue.bindings:
+        if binding.exchange is not None and binding.exchange.name:
+            bindings.append(BindingSpec(_exchange_spec(binding.exchange),
+                                        binding.routing_key or "", binding.arguments or None,
+                                        declare_exchange=not binding.exchange.no_declare))
+    return QueueSpec(
+        queue.name, durable=bool(queue.durable), exclusive=bool(queue.exclusive),
+        auto_delete=bool(queue.auto_delete), arguments=dict(arguments) or None,
+        bindings=tuple(bindings), no_declare=bool(queue.no_declare),
+    )
+
+
+def _exchange_spec(exchange: Any) -> ExchangeSpec:
+    return ExchangeSpec(exchange.name, type=exchange.type or "direct",
+                        durable=bool(exchange.durable), auto_delete=bool(exchange.auto_delete),
+                        arguments=exchange.arguments or None)
+
+
+def _header_number(value: Any) -> int | float | None:
+    """A time limit as an AMQP header takes it: pika encodes no floats, so a
+    whole float (``30.0``) goes as the integer Celery's own message decodes to."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value  # type: ignore[no-any-return]

@@ -1,0 +1,166 @@
+"""``drain run --app``: every job goes where, and as, the app's own apply_async sends it.
+
+The app is tests/routing_app.py (router function, glob, regex, topic
+exchange, quorum and priority queues, a task with its own queue, time limits,
+priority and ignore_result), with queue and exchange names of this test's own.
+The drain runs as ``drain run --app tests.routing_app``, as a user runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from celery import Celery
+
+import drain
+from tests import routing_app, support
+
+#: Properties and headers that name the sending process, by design per process.
+PER_PROCESS = {"reply_to", "origin"}
+
+
+@pytest.fixture
+def suffix() -> Iterator[str]:
+    """This test's suffix for the app's queue and exchange names; deleted afterwards."""
+    value = uuid.uuid4().hex[:10]
+    yield value
+    names = routing_app.names(value)
+    with support.broker_channel() as ch:
+        for role, name in names.items():
+            if role != "topic":
+                ch.queue_delete(name)
+            ch.exchange_delete(name)
+
+
+@pytest.fixture
+def app(suffix: str) -> Iterator[Celery]:
+    built = routing_app.create(suffix)
+    yield built
+    built.close()
+
+
+def cases(suffix: str) -> list[tuple[str, list[Any], dict[str, Any], dict[str, Any], str]]:
+    """(task, args, kwargs, apply_async options, the queue it must land in)."""
+    n = routing_app.names(suffix)
+    return [
+        ("orders.process", [1], {"vip": True}, {}, n["priority"]),   # router function
+        ("orders.process", [2], {"vip": False}, {}, n["default"]),   # task_default_queue
+        ("mail.send", ["a@example.com"], {}, {}, n["quorum"]),       # glob -> quorum queue
+        ("report.daily", [], {"day": 3}, {}, n["reports"]),          # regex -> topic exchange
+        ("video.encode", [5], {}, {}, n["video"]),                   # the task's own options
+        ("orders.process", [3], {}, {"queue": n["quorum"]}, n["quorum"]),  # queue named
+    ]
+
+
+def _env(db_url: str, suffix: str) -> dict[str, str]:
+    return support.drain_env(db_url, ROUTING_APP_SUFFIX=suffix, ROUTING_APP_DATABASE_URL=db_url)
+
+
+def _stage_all(db_url: str, suffix: str) -> dict[str, int]:
+    """Stage every case (and a task the app does not know): {task id: case index}."""
+    staged: dict[str, int] = {}
+    with psycopg.connect(db_url) as conn:
+        for i, (task, args, kwargs, options, _) in enumerate(cases(suffix)):
+            staged[str(drain.stage(conn, task, args, kwargs, queue=options.get("queue")))] = i
+    return staged
+
+
+def _collect(queues: set[str], count: int) -> dict[str, tuple[str, Any, Any, bytes]]:
+    """The next ``count`` messages of ``queues``: {task id: (queue, method, props, body)}."""
+    found: dict[str, tuple[str, Any, Any, bytes]] = {}
+
+    def more() -> bool:
+        for queue in sorted(queues):
+            for method, props, body in support.drain_queue(queue, timeout=0.2):
+                found[str(props.headers["id"])] = (queue, method, props, body)
+        return len(found) >= count
+
+    support.wait_for(more, 30, f"{count} messages in {sorted(queues)}")
+    assert len(found) == count, f"expected {count} messages, got {len(found)}"
+    return found
+
+
+def _differences(ours: tuple[str, Any, Any, bytes],
+                 theirs: tuple[str, Any, Any, bytes]) -> list[str]:
+    (q1, m1, p1, b1), (q2, m2, p2, b2) = ours, theirs
+    found = []
+    for what, a, b in (("queue", q1, q2), ("exchange", m1.exchange, m2.exchange),
+                       ("routing key", m1.routing_key, m2.routing_key), ("body", b1, b2)):
+        if a != b:
+            found.append(f"{what}: {a!r} != {b!r}")
+    p1_all, p2_all = dict(vars(p1)), dict(vars(p2))
+    h1, h2 = p1_all.pop("headers"), p2_all.pop("headers")
+    h1.pop("drain_tag", None)
+    if list(h1) != list(h2):
+        found.append(f"header names or order: {list(h1)} != {list(h2)}")
+    for kind, ours_, theirs_ in (("property", p1_all, p2_all), ("header", h1, h2)):
+        for key in sorted(set(ours_) | set(theirs_)):
+            if key not in PER_PROCESS and ours_.get(key) != theirs_.get(key):
+                found.append(f"{kind} {key}: {ours_.get(key)!r} != {theirs_.get(key)!r}")
+    return found
+
+
+def test_each_job_as_apply_async_sends_it(db_url: str, suffix: str, app: Celery) -> None:
+    staged = _stage_all(db_url, suffix)
+    with psycopg.connect(db_url) as conn:
+        unknown = drain.stage(conn, "nobody.registered.this", [1])
+    run = support.run_cli(db_url, "run", "--app", "tests.routing_app", "--exit-when-empty",
+                          env=_env(db_url, suffix))
+    assert run.returncode == 0, run.stderr
+    queues = {expected for *_, expected in cases(suffix)}
+    ours = _collect(queues, len(staged))
+    by_case = {i: ours[task_id] for task_id, i in staged.items()}
+
+    for task_id, i in staged.items():
+        task, args, kwargs, options, _ = cases(suffix)[i]
+        app.tasks[task].apply_async(args, kwargs, task_id=task_id, **options)
+    theirs = _collect(queues, len(staged))
+
+    problems = []
+    for task_id, i in sorted(staged.items(), key=lambda item: item[1]):
+        task, _, kwargs, _, expected = cases(suffix)[i]
+        assert by_case[i][0] == expected, f"{task} {kwargs}: landed in {by_case[i][0]}"
+        problems += [f"{task} {kwargs}: {d}" for d in _differences(by_case[i], theirs[task_id])]
+    assert not problems, "\n".join(problems)
+
+    with psycopg.connect(db_url) as conn:
+        dead = conn.execute("SELECT task_id, reason, detail FROM dead_jobs").fetchall()
+        left = conn.execute("SELECT count(*) FROM staged_jobs").fetchone()
+    assert [(row[0], row[1]) for row in dead] == [(unknown, "unknown_task")]
+    assert "nobody.registered.this" in dead[0][2]
+    assert left == (0,)
+
+
+def test_a_celery_worker_of_the_app_runs_them(db_url: str, suffix: str, spawn: Any) -> None:
+    env = _env(db_url, suffix)
+    queues = sorted({expected for *_, expected in cases(suffix)})
+    worker = spawn([*support.celery_argv(queues[0])[:3], "-A", "tests.routing_app", "worker",
+                    "-Q", ",".join(queues), "-P", "threads", "-c", "1", "--without-gossip",
+                    "--without-mingle", "-l", "info", "-n", f"rt{suffix}@%h"], env, "worker")
+    worker.wait_for_output("ready.", timeout=60)
+    staged = _stage_all(db_url, suffix)
+    spawn(support.drain_argv("run", "--app", "tests.routing_app", "--poll-interval", "0.2"),
+          env, "drain")
+
+    def ran() -> list[tuple[str, str, str, str]]:
+        with psycopg.connect(db_url) as conn:
+            if conn.execute("SELECT to_regclass('routing_runs')").fetchone() == (None,):
+                return []
+            rows = conn.execute("SELECT * FROM routing_runs").fetchall()
+        return rows if len(rows) >= len(staged) else []
+
+    runs = support.wait_for(ran, 60, "the worker to run every job")
+    assert sorted(r[0] for r in runs) == sorted(staged), json.dumps(runs)
+    for task_id, task_name, exchange, routing_key in runs:
+        task, _, kwargs, _, expected = cases(suffix)[staged[task_id]]
+        assert task_name == task
+        if task == "report.daily":
+            assert (exchange, routing_key) == (routing_app.names(suffix)["topic"],
+                                               "report.daily.eu")
+        else:
+            assert (exchange, routing_key) == ("", expected), (task, kwargs)

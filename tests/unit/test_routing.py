@@ -1,0 +1,88 @@
+"""drain.routing and drain.celery_app against tests/routing_app.py (no broker)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from celery import Celery
+
+from drain import celery_app, routing
+from drain.errors import ConfigError
+from drain.message import Destination, StagedRow
+from tests import routing_app
+
+SUFFIX = "unit"
+N = routing_app.names(SUFFIX)
+
+
+@pytest.fixture
+def app() -> Iterator[Celery]:
+    built = routing_app.create(SUFFIX)
+    yield built
+    built.close()
+
+
+def _row(task: str, kwargs: str = "{}", queue: str = "celery", args: str = "[]") -> StagedRow:
+    return StagedRow(1, uuid.uuid4(), task, args, kwargs, queue)
+
+
+def test_routes_as_apply_async(app: Celery) -> None:
+    router = routing.AppRouter(app)
+    assert not router.static  # a router function: asked per row, with the arguments
+    assert router.destination(_row("orders.process", '{"vip": true}')) == Destination(
+        "", N["priority"], N["priority"], priority=7, max_priority=10, ignore_result=False)
+    assert router.destination(_row("orders.process")).queue == N["default"]
+    assert router.destination(_row("mail.send")).queue == N["quorum"]
+    assert router.destination(_row("report.daily")) == Destination(
+        N["topic"], "report.daily.eu", N["reports"], priority=0, ignore_result=False)
+    assert router.destination(_row("video.encode")) == Destination(
+        "", N["video"], N["video"], priority=4, timelimit=(60, 50), ignore_result=True)
+    # A queue named in the row is apply_async(queue=...): the app's definition of it.
+    named = router.destination(_row("orders.process", queue=N["quorum"]))
+    assert (named.exchange, named.routing_key, named.queue, named.priority) == (
+        "", N["quorum"], N["quorum"], None)
+
+
+def test_declarations_are_the_apps(app: Celery) -> None:
+    router = routing.AppRouter(app)
+    assert router.spec(N["quorum"]).arguments == {"x-queue-type": "quorum"}
+    assert router.spec(N["priority"]).arguments == {"x-max-priority": 10}
+    reports = router.spec(N["reports"])
+    assert [(b.exchange.name, b.exchange.type, b.routing_key) for b in reports.bindings] == [
+        (N["topic"], "topic", "report.#")]
+    # A queue the app does not define is created as Celery creates a missing one.
+    missing = router.spec("adhoc_unit")
+    assert (missing.arguments, missing.durable) == (None, True)
+    assert [b.exchange.name for b in missing.bindings] == ["adhoc_unit"]
+
+
+def test_unknown_tasks(app: Celery) -> None:
+    with pytest.raises(routing.UnknownTask, match=r"nobody\.knows"):
+        routing.AppRouter(app).destination(_row("nobody.knows"))
+    allowed = routing.AppRouter(app, allow_unknown=True).destination(_row("nobody.knows"))
+    assert (allowed.queue, allowed.ignore_result) == (N["default"], None)  # as send_task
+
+
+def test_static_routes_are_cached() -> None:
+    app = Celery("static_unit", set_as_current=False)
+    app.conf.task_routes = {"a.*": {"queue": "qa"}}
+    try:
+        router = routing.AppRouter(app, allow_unknown=True)
+        assert router.static
+        first = router.destination(_row("a.one", args="[1]"))
+        assert router.destination(_row("a.one", args="[2]")) is first
+        assert first.queue == "qa"
+        assert router.destination(_row("b.one")).queue == "celery"
+    finally:
+        app.close()
+
+
+def test_load_finds_the_app_as_celery_does() -> None:
+    assert celery_app.load("tests.routing_app:app") is routing_app.app
+    assert celery_app.load("tests.routing_app") is routing_app.app  # its `app` attribute
+    with pytest.raises(ConfigError, match="cannot load"):
+        celery_app.load("tests.no_such_module_here")
+    with pytest.raises(ConfigError, match="is not a Celery app"):
+        celery_app.load("tests.routing_app:names")
