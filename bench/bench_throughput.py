@@ -439,6 +439,16 @@ def summary_rows(n: int, drain_rate: float, raw_rate: float, celery_rate: float)
     ]
 
 
+def print_overhead(rates: dict[str, float], drain_rate: float) -> None:
+    """The drain against raw pika with the drain's encoder at the same window, when
+    that window was measured (--windows may leave it out)."""
+    same_window = rates.get(f"{ENCODED}, window {WINDOW}")
+    if same_window:
+        print(f"drain / raw with the drain's encoder at window {WINDOW} = "
+              f"{drain_rate / same_window:.2f} "
+              "(the drain's own overhead: Postgres fetch, delete and commit)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int,
@@ -582,9 +592,7 @@ def main() -> int:
     print(f"\nthe ceiling: {best_raw}")
     print(f"drain / raw ceiling = {drain_rate / ceiling:.2f} (goal >= {GOAL_X_RAW}), "
           f"drain / celery = {drain_rate / celery:.1f} (goal >= {GOAL_X_CELERY:g})")
-    print(f"drain / raw with the drain's encoder at window {WINDOW} = "
-          f"{drain_rate / rates[f'{ENCODED}, window {WINDOW}']:.2f} "
-          "(the drain's own overhead: Postgres fetch, delete and commit)")
+    print_overhead(rates, drain_rate)
     cpu_medians = {name: {key: statistics.median(run[key] for run in runs) for key in runs[0]}
                    for name, runs in cpu_used.items()}
     print_cpu(cpu_medians, rates)
