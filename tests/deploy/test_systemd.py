@@ -105,7 +105,8 @@ def test_the_settings_file_shows_the_defaults() -> None:
         if key in ("DRAIN_DATABASE_URL", "DRAIN_BROKER_URL"):
             continue
         action = common.env_actions("run")[key]
-        shown = action.type(value) if callable(action.type) else value
+        shown: object = (value not in ("", "0", "false", "no") if action.nargs == 0
+                         else action.type(value) if callable(action.type) else value)
         assert shown == common.default("run", key), key
 
 
@@ -125,14 +126,17 @@ def test_every_variable_the_help_names_is_really_read() -> None:
     for command in ("run", "migrate"):
         for name, action in common.env_actions(command).items():
             before = getattr(common.parsed_with_env(command, {}), action.dest)
-            if action.choices:
+            if action.nargs == 0:  # a switch: any of 1/true/yes sets it
+                probe = "1"
+            elif action.choices:
                 probe = next(str(c) for c in action.choices if c != before)
             elif action.type in (int, float) or isinstance(action.type, options.Number):
                 probe = "7"
             else:
                 probe = "probe-value"
             after = getattr(common.parsed_with_env(command, {name: probe}), action.dest)
-            expected = action.type(probe) if callable(action.type) else probe
+            expected: object = (True if action.nargs == 0
+                                else action.type(probe) if callable(action.type) else probe)
             assert after == expected != before, f"drain {command}: {name}"
 
 
