@@ -15,16 +15,15 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from drain.spark import bundle, session
+from tests import support
 
 HOST = "127.0.0.1"
 
@@ -33,24 +32,6 @@ def spark_home() -> Path:
     import pyspark
 
     return Path(pyspark.__file__).resolve().parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll ``condition`` until truthy; AssertionError after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
 
 
 @dataclasses.dataclass
@@ -129,7 +110,7 @@ class Cluster:
     def __init__(self, root: Path, workers: int = 2, cores: int = 1,
                  memory: str = "1g") -> None:
         self.root = root
-        self.port, self.web_port = free_port(), free_port()
+        self.port, self.web_port = support.free_port(), support.free_port()
         self.master_url = f"spark://{HOST}:{self.port}"
         self.env = {
             **os.environ, "SPARK_HOME": str(spark_home()), "SPARK_LOCAL_IP": HOST,
@@ -145,7 +126,7 @@ class Cluster:
         self.workers = [
             Daemon(f"worker{i}", [
                 spark_class, "org.apache.spark.deploy.worker.Worker", "--host", HOST,
-                "--port", str(free_port()), "--webui-port", str(free_port()),
+                "--port", str(support.free_port()), "--webui-port", str(support.free_port()),
                 "--cores", str(cores), "--memory", memory,
                 "--work-dir", str(root / f"worker{i}"), self.master_url,
             ], root / f"worker{i}.log")
@@ -156,7 +137,7 @@ class Cluster:
 
     def start(self, timeout: float = 90) -> None:
         self.master.start(self.env)
-        wait_for(lambda: self.state() is not None or not self.master.alive(), timeout,
+        support.wait_for(lambda: self.state() is not None or not self.master.alive(), timeout,
                  "the Spark master's status page")
         if not self.master.alive():
             raise AssertionError("the Spark master exited:\n" + self.master.output()[-3000:])
@@ -192,7 +173,7 @@ class Cluster:
         return sum(1 for w in state.get("workers", []) if w.get("state") == "ALIVE")
 
     def wait_for_workers(self, count: int, timeout: float = 90) -> None:
-        wait_for(lambda: self.alive_workers() >= count, timeout,
+        support.wait_for(lambda: self.alive_workers() >= count, timeout,
                  f"{count} ALIVE workers at {self.master_url}")
 
     def executor_pids(self, index: int) -> list[int]:
