@@ -152,6 +152,31 @@ def _connections(server: replication.Server, pid: int) -> int:
         f"application_name=drain pid={pid} ")
 
 
+def _start_drain(spawn: Any, url: str) -> tuple[support.Process, int]:
+    """``drain run`` on ``url``, with its metrics port (returned with it)."""
+    port = support.free_port()
+    proc: support.Process = spawn(support.drain_argv("run", "--poll-interval", "0.2"),
+                                  support.drain_env(url, DRAIN_METRICS_PORT=str(port)), "drain")
+    return proc, port
+
+
+def _promote_and_drain(pair: replication.Pair, queue: str, proc: support.Process,
+                       jobs: int) -> tuple[dict[str, int], float, float]:
+    """Stage ``jobs`` on the primary, let the replica replay them, stop the primary
+    and promote the replica; the drain must lead and publish them. Returns what was
+    staged and how long after the promotion the drain led and had drained."""
+    staged = support.stage_backlog(pair.primary.url(), queue, jobs)
+    support.wait_for(pair.caught_up, 30, "the replica to replay the staged jobs")
+    pair.primary.stop("fast")
+    pair.replica.promote()
+    promoted_at = time.monotonic()
+    proc.wait_for_output("active: took the drain lock", timeout=30)
+    led = time.monotonic() - promoted_at
+    support.wait_for(lambda: support.staged_count(pair.replica.url()) == 0, 30,
+                     "the drain to publish the staged jobs")
+    return staged, led, time.monotonic() - promoted_at
+
+
 def _readyz(port: int) -> tuple[int, dict[str, Any]]:
     status, body = support.http_get(port, "/readyz")
     return status, json.loads(body)
@@ -164,10 +189,8 @@ def test_primary_failover_under_load(
     pair: replication.Pair, queue: str, spawn: Any
 ) -> None:
     url = pair.both_url(target_session_attrs="read-write")
-    port = support.free_port()
     worker = spawn(support.celery_argv(queue), support.drain_env(url), "worker")
-    proc = spawn(support.drain_argv("run", "--poll-interval", "0.2"),
-                 support.drain_env(url, DRAIN_METRICS_PORT=str(port)), "drain")
+    proc, port = _start_drain(spawn, url)
     worker.wait_for_output("ready.", timeout=60)
     proc.wait_for_output("broker connected", timeout=30)
     producer = Producer(url, queue, rate=100)
@@ -240,9 +263,7 @@ def test_primary_failover_under_load(
 def test_a_drain_on_a_standby_waits_ready_and_leads_once_promoted(
     pair: replication.Pair, queue: str, spawn: Any
 ) -> None:
-    port = support.free_port()
-    proc = spawn(support.drain_argv("run", "--poll-interval", "0.2"),
-                 support.drain_env(pair.replica.url(), DRAIN_METRICS_PORT=str(port)), "drain")
+    proc, port = _start_drain(spawn, pair.replica.url())
     proc.wait_for_output("is a read-only standby (in recovery)", timeout=30)
     support.wait_for(lambda: _readyz(port)[0] == 200, 10, "/readyz to answer")
     _fault_pause(WATCH)  # six standby intervals
@@ -257,16 +278,7 @@ def test_a_drain_on_a_standby_waits_ready_and_leads_once_promoted(
     assert _connections(pair.replica, proc.pid) == 1, "the drain reconnected"
     assert "took the drain lock" not in out
 
-    staged = support.stage_backlog(pair.primary.url(), queue, 50)
-    support.wait_for(pair.caught_up, 30, "the replica to replay the staged jobs")
-    pair.primary.stop("fast")
-    pair.replica.promote()
-    promoted_at = time.monotonic()
-    proc.wait_for_output("active: took the drain lock", timeout=30)
-    led = time.monotonic() - promoted_at
-    support.wait_for(lambda: support.staged_count(pair.replica.url()) == 0, 30,
-                     "the drain to publish the staged jobs")
-    drained = time.monotonic() - promoted_at
+    staged, led, drained = _promote_and_drain(pair, queue, proc, 50)
     copies = support.check_at_least_once(support.drain_queue(queue), staged)
     assert _connections(pair.replica, proc.pid) == 1, "promotion needs no new session"
     assert proc.output().count("was promoted: it accepts writes now") == 1
@@ -278,10 +290,8 @@ def test_a_drain_on_a_standby_waits_ready_and_leads_once_promoted(
 def test_read_write_url_with_only_a_standby_retries_with_backoff(
     pair: replication.Pair, queue: str, spawn: Any
 ) -> None:
-    port = support.free_port()
     url = pair.replica.url(target_session_attrs="read-write")
-    proc = spawn(support.drain_argv("run", "--poll-interval", "0.2"),
-                 support.drain_env(url, DRAIN_METRICS_PORT=str(port)), "drain")
+    proc, port = _start_drain(spawn, url)
     proc.wait_for_output("retrying with backoff", timeout=30)
     started = time.monotonic()
     _fault_pause(2 * WATCH)
@@ -299,15 +309,7 @@ def test_read_write_url_with_only_a_standby_retries_with_backoff(
     # Backoff from 0.1 s, doubling: about 7 attempts in 6 s. A storm would be hundreds.
     assert 3 <= attempts <= 12, f"{attempts} connection attempts in {watched:.1f}s"
 
-    staged = support.stage_backlog(pair.primary.url(), queue, 20)
-    support.wait_for(pair.caught_up, 30, "the replica to replay the staged jobs")
-    pair.primary.stop("fast")
-    pair.replica.promote()
-    promoted_at = time.monotonic()
-    proc.wait_for_output("active: took the drain lock", timeout=30)
-    led = time.monotonic() - promoted_at
-    support.wait_for(lambda: support.staged_count(pair.replica.url()) == 0, 30,
-                     "the drain to publish the staged jobs")
+    staged, led, _ = _promote_and_drain(pair, queue, proc, 20)
     support.check_at_least_once(support.drain_queue(queue), staged)
     print(f"\n[read-write, standby only] {attempts} connection attempts in {watched:.1f}s, one "
           f"log line; led {led:.2f}s after the promotion (backoff up to 10 s); "
