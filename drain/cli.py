@@ -35,6 +35,7 @@ from drain.cli_common import (
     env,
     secrets_in,
     settings_of,
+    switch,
 )
 from drain.errors import DrainError, StagingError
 from drain.spark import cli as spark_cli
@@ -201,7 +202,7 @@ def _add_run_parser(sub: Any) -> None:
     p.add_argument(
         "--allow-unknown-tasks",
         action="store_true",
-        default=env("DRAIN_ALLOW_UNKNOWN_TASKS", "") not in ("", "0", "false", "no"),
+        default=switch(env("DRAIN_ALLOW_UNKNOWN_TASKS", "") or ""),
         help="with --app: publish jobs of tasks the app does not register, routed as "
         "its send_task would, instead of dead-lettering them (env DRAIN_ALLOW_UNKNOWN_TASKS)",
     )

@@ -60,6 +60,15 @@ def env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name, default)
 
 
+#: What a switch's variable says to leave it off (unset counts as "").
+SWITCH_OFF = ("", "0", "false", "no")
+
+
+def switch(value: str) -> bool:
+    """A switch's variable read as the switch: on unless one of SWITCH_OFF."""
+    return value not in SWITCH_OFF
+
+
 def add_database(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--database-url",

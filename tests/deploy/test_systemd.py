@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from drain import options, pipeline
+from drain import cli_common, options, pipeline
 from tests.deploy import common
 
 UNITS = ("drain.service", "drain@.service")
@@ -105,7 +105,7 @@ def test_the_settings_file_shows_the_defaults() -> None:
         if key in ("DRAIN_DATABASE_URL", "DRAIN_BROKER_URL"):
             continue
         action = common.env_actions("run")[key]
-        shown: object = (value not in ("", "0", "false", "no") if action.nargs == 0
+        shown: object = (cli_common.switch(value) if action.nargs == 0
                          else action.type(value) if callable(action.type) else value)
         assert shown == common.default("run", key), key
 
