@@ -120,6 +120,10 @@ class Drain:
             queue_max_priority=settings.queue_max_priority,
             specs=self.router.spec if self.router else None,
         )
+        # Read from the publisher when scraped: nothing to keep up to date per cycle.
+        publisher = self._publisher
+        self.metrics.broker_blocked.set_function(
+            lambda: 0.0 if publisher.blocked is None else 1.0)
         #: The data path while this drain leads (drain.pipeline).
         self.pipeline = Pipeline(settings, self._store, self._publisher, self.metrics,
                                  on_cycle=on_cycle, on_fetch=on_fetch, on_expire=on_expire,
@@ -292,9 +296,7 @@ class Drain:
         is published; publishing resumes within ``BLOCKED_LOOK`` of the alarm
         clearing.
         """
-        blocked = self._publisher.blocked is not None
-        self.metrics.broker_blocked.set(1 if blocked else 0)
-        if not blocked:
+        if self._publisher.blocked is None:
             if self.state is State.BROKER_BLOCKED:
                 self.state = State.ACTIVE
             return False
