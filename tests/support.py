@@ -320,6 +320,13 @@ class _Link:
         self.flowing.set()  # a pipe waiting at the valve wakes up and finds the sockets closed
 
 
+def via_proxy(db_url: str, port: int) -> str:
+    """A test database's URL (support.database_url) through a TcpProxy on ``port``."""
+    proxied = db_url.replace("@127.0.0.1:5432/", f"@127.0.0.1:{port}/")
+    assert proxied != db_url, f"not a test database URL: {db_url}"
+    return proxied
+
+
 class TcpProxy:
     """Forwards 127.0.0.1:<port> to a target; can cut, stall, refuse and restore connections.
 

@@ -50,7 +50,7 @@ def test_a_hung_leader_connection_is_given_up_and_jobs_flow_again(
     staged = support.stage_backlog(db_url, queue, 60_000)
     proxy = support.TcpProxy(5432).start()
     try:
-        proxied = db_url.replace("@127.0.0.1:5432/", f"@127.0.0.1:{proxy.port}/")
+        proxied = support.via_proxy(db_url, proxy.port)
         leader = _drain(spawn, proxied, "leader")
         leader.wait_for_output("took the drain lock", timeout=30)
         standby = _drain(spawn, db_url, "standby")

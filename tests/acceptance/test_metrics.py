@@ -146,8 +146,7 @@ def test_a_drain_whose_database_hangs_gives_the_connection_up_and_recovers_losin
     proxy = support.TcpProxy(5432).start()
     try:
         port = support.free_port()
-        proxied = db_url.replace("@127.0.0.1:5432/", f"@127.0.0.1:{proxy.port}/")
-        assert proxied != db_url
+        proxied = support.via_proxy(db_url, proxy.port)
         leader = _start(spawn, proxied, port, "leader", "--db-timeout", "1")
         support.wait_for(lambda: _value(port, "drain_lock_held") == 1, 30, "the lock")
         before = support.stage_backlog(db_url, queue, 200)

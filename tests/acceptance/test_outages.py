@@ -26,8 +26,7 @@ def test_the_drain_resumes_when_postgres_listens_again(
 ) -> None:
     proxy = support.TcpProxy(5432).start()
     try:
-        via_proxy = db_url.replace("@127.0.0.1:5432/", f"@127.0.0.1:{proxy.port}/")
-        assert via_proxy != db_url
+        via_proxy = support.via_proxy(db_url, proxy.port)
         proc = spawn(support.drain_argv("run", "--poll-interval", "0.2"),
                      support.drain_env(via_proxy), "drain")
         proc.wait_for_output("active: took the drain lock", timeout=30)

@@ -207,8 +207,7 @@ def test_probe_passes_sessions_of_their_own(db_url: str, bouncers: Start) -> Non
     server backend's pid (a pool hands out a key of its own)."""
     proxy = support.TcpProxy(5432).start()
     try:
-        proxied = db_url.replace(":5432/", f":{proxy.port}/")
-        assert proxied != db_url
+        proxied = support.via_proxy(db_url, proxy.port)
         for url in (db_url, proxied):
             told, actual = _server_pid(url)
             assert told == actual
