@@ -246,26 +246,22 @@ class Pipeline:
         With an app, each row goes to the queue the app routes it to; a refused
         queue pauses the staged queues of the rows routed to it (the unit the
         fetch leaves out)."""
-        routed = self.router is not None
-        destinations = self._route(rows, doomed) if routed else {}
-        if routed:
-            rows = [row for row in rows if row.id in destinations]
-
-        def target(row: StagedRow) -> str:
-            return destinations[row.id].queue if routed else row.queue
-
-        refused = self._publisher.declare({target(row) for row in rows})
+        destinations = self._route(rows, doomed) if self.router is not None else {}
+        # Each row with the queue it goes to, worked out once.
+        targets = ([(row, destinations[row.id].queue) for row in rows if row.id in destinations]
+                   if self.router is not None else [(row, row.queue) for row in rows])
+        refused = self._publisher.declare({queue for _, queue in targets})
         for queue, reason in refused.items():
             refusal = QueueDeclareRefused(queue, reason, self.settings.queue_declare)
-            for staged in sorted({row.queue for row in rows if target(row) == queue}):
+            for staged in sorted({row.queue for row, target in targets if target == queue}):
                 self._pause(staged, str(refusal))
-        publishable = [row for row in rows if target(row) not in refused]
+        publishable = [(row, queue) for row, queue in targets if queue not in refused]
         if not publishable:
             return None
         self._prove_lock()
         return self._publisher.start(
-            self._messages(publishable, doomed, destinations),
-            queues={target(row) for row in publishable},
+            self._messages([row for row, _ in publishable], doomed, destinations),
+            queues={queue for _, queue in publishable},
             count=len(publishable),
         )
 
