@@ -262,6 +262,26 @@ CREATE TABLE IF NOT EXISTS drain_backfill_ledger (
     PRIMARY KEY (backfill_id, partition)
 );
 
+-- One row per Spark attempt at a backfill partition, written outside the
+-- partition's transaction so that attempts which stage nothing (a task retried
+-- after a failure, a speculative copy, an attempt that finds its partition
+-- committed) are still on record: `drain backfill` reports them. outcome stays
+-- NULL for an attempt that was stopped or lost before it could say how it ended.
+-- The role running backfills needs SELECT, INSERT, UPDATE on it.
+CREATE TABLE IF NOT EXISTS drain_backfill_attempts (
+    id           bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    backfill_id  text        NOT NULL,
+    run_token    uuid        NOT NULL,
+    partition    integer     NOT NULL,
+    attempt      integer     NOT NULL,
+    host         text,
+    started_at   timestamptz NOT NULL DEFAULT now(),
+    ended_at     timestamptz,
+    outcome      text
+);
+CREATE INDEX IF NOT EXISTS drain_backfill_attempts_run
+    ON drain_backfill_attempts (run_token);
+
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'drain_stager') THEN

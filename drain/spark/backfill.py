@@ -14,8 +14,8 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from drain.errors import ConfigError
+from drain.spark import ledger, progress, rejects, writer
 from drain.spark import mapping as mapping_
-from drain.spark import progress, rejects, writer
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -78,6 +78,8 @@ class Result:
             notes.append(f"{s.skipped_earlier_run} committed by an earlier run, skipped")
         if s.retried_after_commit:
             notes.append(f"{s.retried_after_commit} retried after their commit, not restaged")
+        if s.attempts.extra:
+            notes.append(s.attempts.text())
         if self.rejected:
             notes.append(f"{self.rejected:,} record(s) refused, listed in {self.rejects_file}")
         note = f" ({'; '.join(notes)})" if notes else ""
@@ -125,7 +127,7 @@ def run(spark: SparkSession, df: DataFrame, m: mapping_.Mapping, options: Option
     """Stage one job per record of ``df``; safe to re-run with the same id."""
     started = time.monotonic()
     check(m, options)
-    state = writer.prepare(options.database_url, options.run_id, options.partitions)
+    state = ledger.prepare(options.database_url, options.run_id, options.partitions)
     if state.committed >= options.partitions:
         summary = writer.WriteSummary(
             run_id=options.run_id, partitions=options.partitions, rows=0, written=0,
@@ -134,11 +136,14 @@ def run(spark: SparkSession, df: DataFrame, m: mapping_.Mapping, options: Option
         return Result(summary, already_complete=True, seconds=time.monotonic() - started)
     if options.where:
         df = df.filter(options.where)
+    # A resume: the committed partitions' records go no further than the read.
+    df = mapping_.without_partitions(df, m, options.partitions, state.indexes)
     df, rejected = rejects.check(df, m, options.partitions, options.rejects_file)
     lines = mapping_.copy_lines(mapping_.jobs(df, m, options.run_id, options.partitions), m)
     config = writer.WriterConfig(
         database_url=options.database_url, run_id=options.run_id,
         partitions=options.partitions, run_token=str(uuid.uuid4()), faults=options.faults,
+        committed=state.indexes,
     )
     with progress.tracking(spark.sparkContext, "backfill", enabled=options.progress):
         summary = writer.write(lines, config, arrow=options.arrow)

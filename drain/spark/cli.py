@@ -195,12 +195,12 @@ def _mapping(args: argparse.Namespace, key: str) -> mapping_.Mapping:
 
 def _partitions(args: argparse.Namespace, run_id: str, spark: SparkSession) -> int:
     """--partitions, or the count an earlier run of this id used, or 4 per core."""
-    from drain.spark import backfill, writer  # noqa: PLC0415
+    from drain.spark import backfill, ledger  # noqa: PLC0415
 
     if args.partitions is not None:
         return int(args.partitions)
     with contextlib.suppress(DatabaseUnavailable):
-        earlier = writer.earlier_partitions(args.database_url, run_id)
+        earlier = ledger.earlier_partitions(args.database_url, run_id)
         if earlier is not None:
             return earlier
     return backfill.default_partitions(spark)

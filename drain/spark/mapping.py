@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import uuid
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from drain.errors import ConfigError
@@ -98,6 +99,20 @@ def validate_run_id(run_id: str) -> None:
     """A run (backfill) id is 1..200 characters of text without the separator."""
     if not run_id or len(run_id) > 200 or SEPARATOR in run_id or "\x00" in run_id:
         raise ConfigError(f"bad backfill id {run_id!r}: 1 to 200 characters, no control chars")
+
+
+def without_partitions(
+    df: DataFrame, mapping: Mapping, partitions: int, skip: Collection[int]
+) -> DataFrame:
+    """``df`` without the records whose key hashes to one of the ``skip`` partitions
+    (those a resumed backfill committed before): filtered as they are read, before
+    any shuffle, with the hash :func:`jobs` partitions by."""
+    if not skip:
+        return df
+    from pyspark.sql import functions as F  # noqa: PLC0415 - pyspark is optional
+
+    bucket = F.pmod(F.hash(F.expr(mapping.key)), F.lit(partitions))
+    return df.filter(~bucket.isin(sorted(skip)))
 
 
 def jobs(

@@ -13,7 +13,9 @@ else why not, in :func:`drain.stage`'s words (drain/staging.py):
 shuffle, and only when the mapping has a string or float value): by default
 the first refused record ends the run, naming its key and partition, before
 anything is staged; with ``--rejects FILE`` every refused record is written to
-FILE (JSON lines: partition, key, reason) and the rest is staged.
+FILE (JSON lines: partition, key, reason) and the rest is staged. A resumed
+backfill checks only the partitions it stages (those committed earlier were
+checked by the run that committed them), so its FILE lists only their records.
 """
 
 from __future__ import annotations

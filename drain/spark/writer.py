@@ -9,7 +9,9 @@ re-run of the backfill. Every row carries the partition it was assigned to
 (``_bucket``, computed with the same hash) and the writer checks it: if the
 partitioning ever differed, the partition fails instead of staging rows twice.
 
-Each partition, on an executor, in one transaction:
+Each partition, on an executor, records its attempt in
+``drain_backfill_attempts`` (:mod:`drain.spark.ledger`; outside the
+transaction, with how it ended once it has), then, in one transaction:
 
 1. ``INSERT INTO drain_backfill_ledger (backfill_id, partition, ...) ON
    CONFLICT DO NOTHING RETURNING``: no row back means the partition has been
@@ -19,14 +21,21 @@ Each partition, on an executor, in one transaction:
 2. ``COPY staged_jobs (...) FROM STDIN (FORMAT csv)``: the partition's jobs.
 3. Record the row count; COMMIT. The jobs and the ledger row commit together
    or not at all, so a failure anywhere before the commit leaves nothing.
+
+A partition the ledger showed committed when the run started gets no input
+(its records are filtered out before the shuffle) and returns without a
+connection: a resume costs what its missing partitions cost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
+import itertools
 import os
+import socket
 import sys
 import time
 import warnings
@@ -36,15 +45,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import psycopg
 
-from drain.errors import ConfigError, DatabaseUnavailable, DrainError, SchemaMissing
+from drain.errors import DrainError
+from drain.spark import ledger
 from drain.spark.mapping import COPY_COLUMNS
 from drain.url_parts import first_line
-from drain.urls import mask_database_url
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-LEDGER = "drain_backfill_ledger"
 _CHUNK_ROWS = 8192
 _RESULT_SCHEMA = "partition int, rows long, skipped boolean, retried_after_commit boolean"
 _COPY = f"COPY staged_jobs ({', '.join(COPY_COLUMNS)}) FROM STDIN (FORMAT csv)"
@@ -104,6 +112,10 @@ class WriterConfig:
     run_token: str
     faults: tuple[Fault, ...] = ()
     chunk_rows: int = _CHUNK_ROWS
+    #: Partitions the ledger showed committed when this run started: their input is
+    #: filtered out before the shuffle (:func:`drain.spark.mapping.jobs`), and their
+    #: tasks return without a connection.
+    committed: frozenset[int] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,85 +140,18 @@ class WriteSummary:
     skipped_earlier_run: int
     retried_after_commit: int
     seconds: float
+    attempts: ledger.Attempts = dataclasses.field(default_factory=ledger.Attempts)
 
     @property
     def rows_per_second(self) -> float:
         return self.rows / self.seconds if self.seconds > 0 else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "rows_per_second": round(self.rows_per_second, 1)}
-
-
-@dataclasses.dataclass(frozen=True)
-class LedgerState:
-    """The ledger's record of one backfill id."""
-
-    partitions: int | None
-    committed: int
-    rows: int
+        return {**dataclasses.asdict(self), "attempts": self.attempts.as_dict(),
+                "rows_per_second": round(self.rows_per_second, 1)}
 
 
 # -- on the driver -------------------------------------------------------------------
-
-
-def connect(database_url: str, purpose: str) -> psycopg.Connection[tuple[Any, ...]]:
-    try:
-        return psycopg.connect(database_url, connect_timeout=10, autocommit=True,
-                               application_name=purpose[:63])
-    except psycopg.Error as exc:
-        raise DatabaseUnavailable(
-            f"database {mask_database_url(database_url)} unreachable: {first_line(exc)}"
-        ) from None
-
-
-def prepare(database_url: str, run_id: str, partitions: int) -> LedgerState:
-    """Check the schema (staged_jobs and the ledger, both from `drain migrate`) and
-    ``partitions`` against an earlier run of ``run_id`` (a different count would
-    re-assign rows)."""
-    with connect(database_url, "drain spark") as conn:
-        present = conn.execute("SELECT to_regclass('staged_jobs') IS NOT NULL").fetchone()
-        if not present or not present[0]:
-            raise SchemaMissing(
-                f"database {mask_database_url(database_url)} has no staged_jobs table: "
-                "run `drain migrate` first"
-            )
-        ledger = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (LEDGER,)).fetchone()
-        if not ledger or not ledger[0]:
-            raise SchemaMissing(
-                f"database {mask_database_url(database_url)} has an older drain schema "
-                f"(no {LEDGER} table): run `drain migrate`"
-            )
-        state = ledger_state(conn, run_id)
-    if state.partitions is not None and state.partitions != partitions:
-        raise ConfigError(
-            f"backfill id {run_id!r} was started with {state.partitions} partitions "
-            f"({state.committed} committed): re-run it with --partitions {state.partitions} "
-            "(rows are assigned to partitions by their key modulo the count), or use a new id"
-        )
-    return state
-
-
-def earlier_partitions(database_url: str, run_id: str) -> int | None:
-    """The partition count an earlier run of ``run_id`` used (None: no earlier run)."""
-    with connect(database_url, "drain spark") as conn:
-        exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (LEDGER,)).fetchone()
-        if not exists or not exists[0]:
-            return None
-        return ledger_state(conn, run_id).partitions
-
-
-def ledger_state(conn: psycopg.Connection[tuple[Any, ...]], run_id: str) -> LedgerState:
-    row = conn.execute(
-        "SELECT max(partitions), count(*), coalesce(sum(rows), 0) FROM drain_backfill_ledger "
-        "WHERE backfill_id = %s",
-        (run_id,),
-    ).fetchone()
-    assert row is not None
-    return LedgerState(
-        partitions=int(row[0]) if row[0] is not None else None,
-        committed=int(row[1]),
-        rows=int(row[2]),
-    )
 
 
 def write(lines: DataFrame, config: WriterConfig, *, arrow: bool | None = None) -> WriteSummary:
@@ -245,6 +190,12 @@ def write(lines: DataFrame, config: WriterConfig, *, arrow: bool | None = None) 
             f"expected partitions 0..{config.partitions - 1} once each, Spark ran "
             f"{sorted(indexes)}: the input was not partitioned by drain.spark.mapping.jobs"
         )
+    attempts = ledger.attempts(config.database_url, config.run_token)
+    if attempts.committed_twice:  # the ledger's primary key rules it out
+        raise PartitioningError(
+            f"partitions {list(attempts.committed_twice)} were committed by more than one "
+            "attempt of this run: check drain_backfill_attempts and staged_jobs"
+        )
     return WriteSummary(
         run_id=config.run_id,
         partitions=config.partitions,
@@ -253,6 +204,7 @@ def write(lines: DataFrame, config: WriterConfig, *, arrow: bool | None = None) 
         skipped_earlier_run=sum(1 for r in results if r.skipped and not r.retried_after_commit),
         retried_after_commit=sum(1 for r in results if r.retried_after_commit),
         seconds=seconds,
+        attempts=attempts,
     )
 
 
@@ -374,20 +326,48 @@ def _write_partition(
     config: WriterConfig, index: int, chunks: Iterable[tuple[int, bytes | memoryview]]
 ) -> PartitionResult:
     feeder = _feeder()
+    chunks = iter(chunks)
+    if index in config.committed:
+        # Committed before this run: its records were filtered out before the shuffle.
+        first = next(chunks, None)
+        if first is None:
+            return PartitionResult(index, 0, skipped=True)
+        chunks = itertools.chain([first], chunks)
     name = f"drain backfill {config.run_id} p{index}"
     with psycopg.connect(config.database_url, connect_timeout=10, autocommit=True,
                          application_name=name[:63]) as conn:
+        attempt = ledger.attempt_started(
+            conn, run_id=config.run_id, run_token=config.run_token, partition=index,
+            attempt=_attempt(), host=_host(),
+        )
         try:
             result = _transaction(conn, config, index, chunks, feeder)
         except psycopg.Error as exc:
-            raise PartitionError(
+            error: Exception = PartitionError(
                 f"partition {index}: Postgres refused it: {_cause(exc)}; nothing of it was "
                 "staged"
-            ) from None
+            )
+            _ended(conn, attempt, f"{ledger.FAILED}: {error}")
+            raise error from None
+        except Exception as exc:
+            _ended(conn, attempt, f"{ledger.FAILED}: {type(exc).__name__}: {exc}")
+            raise
+        _ended(conn, attempt, ledger.FOUND_COMMITTED if result.skipped else ledger.COMMITTED)
         if result.skipped:
             return result
         _fault(config, index, "after_commit")
     return result
+
+
+def _ended(conn: psycopg.Connection[tuple[Any, ...]], attempt: int, outcome: str) -> None:
+    """Record how the attempt ended, if the connection still works (best effort: an
+    attempt without an outcome is reported as stopped or lost)."""
+    with contextlib.suppress(psycopg.Error):
+        ledger.attempt_ended(conn, attempt, outcome)
+
+
+def _host() -> str:
+    return f"{socket.gethostname()} pid {os.getpid()}"
 
 
 def _cause(exc: psycopg.Error) -> str:

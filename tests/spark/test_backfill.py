@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from drain.errors import DrainError
-from drain.spark import backfill, cli, mapping, writer
+from drain.spark import backfill, cli, ledger, mapping, writer
 from tests import support
 from tests.spark import helpers
 
@@ -137,6 +137,11 @@ def test_partition_failing_after_its_commit_is_not_staged_again(
     # Spark retried both partitions; the retries found their ledger rows and staged nothing.
     assert result.summary.retried_after_commit == 2
     assert result.summary.rows == 400
+    # Each retry is on record, and the run reports it.
+    attempts = result.summary.attempts
+    assert (attempts.total, attempts.extra, attempts.partitions_retried) == (6, 2, 2)
+    assert (attempts.found_committed, attempts.failed, attempts.unheard) == (2, 0, 0)
+    assert "2 partition(s) took 2 more Spark attempt(s)" in result.text()
     _assert_each_once(db_url, "after", list(range(400)), "backfill.faults")
 
 
@@ -151,6 +156,10 @@ def test_partition_failing_before_its_commit_leaves_nothing_and_is_retried(
     ))
     assert result.summary.retried_after_commit == 0
     assert (result.summary.rows, result.summary.written) == (400, 4)
+    attempts = result.summary.attempts
+    assert (attempts.total, attempts.extra, attempts.partitions_retried) == (6, 2, 2)
+    assert (attempts.failed, attempts.found_committed, attempts.unheard) == (2, 0, 0)
+    assert "only one attempt of each committed (2 failed)" in result.text()
     _assert_each_once(db_url, "before", list(range(400)), "backfill.faults")
 
 
@@ -177,6 +186,9 @@ def test_rerun_with_the_same_id_stages_only_what_never_committed(
     assert second["partitions"] == 4
     assert (second["written"], second["skipped_earlier_run"]) == (1, 3)
     assert second["rows"] == 600 - sum(committed.values())
+    # A resume costs what its missing partition costs: the committed partitions' records
+    # were dropped as they were read, and their tasks never connected.
+    assert second["attempts"]["total"] == 1
     _assert_each_once(db_url, "rerun", list(range(600)), "backfill.rerun")
 
     third = helpers.run_json(capsys, *argv)
@@ -207,7 +219,7 @@ def test_rerun_with_another_partition_count_is_refused(
 def test_rows_in_the_wrong_partition_fail_instead_of_being_staged(
     spark: SparkSession, db_url: str, arrow: bool
 ) -> None:
-    writer.prepare(db_url, "misplaced", 4)
+    ledger.prepare(db_url, "misplaced", 4)
     jobs = mapping.jobs(spark.range(0, 200), M, "misplaced", 4).repartition(4)  # round robin
     config = writer.WriterConfig(db_url, "misplaced", 4, run_token=str(uuid.uuid4()))
     with pytest.raises(DrainError, match=r"PartitioningError: a row of partition \d reached "
@@ -298,7 +310,7 @@ def test_partition_whose_feeding_executor_died_is_rolled_back(
 ) -> None:
     """An input cut short by a dead executor JVM looks complete: the writer sees its
     parent chain change (reparented children) and does not commit."""
-    writer.prepare(db_url, "fed", 1)
+    ledger.prepare(db_url, "fed", 1)
     config = writer.WriterConfig(db_url, "fed", 1, run_token=str(uuid.uuid4()))
     lines = [
         f"{mapping.task_id_for('fed', str(k))},\"{TASK}\",\"[]\",\"{{}}\",\"celery\",-10,"

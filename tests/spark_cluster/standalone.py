@@ -2,7 +2,10 @@
 
 A master and ``workers`` workers from pyspark's own ``bin/spark-class``
 (``org.apache.spark.deploy.master.Master`` / ``...deploy.worker.Worker``), on
-free ports, each worker with its own cores, memory and work directory. Every
+free ports, each worker with its own cores, memory and work directory, and
+its own loopback address (worker ``i`` on ``127.0.0.{i+1}``): to Spark they
+are two hosts, as speculative execution needs (it never runs a task's copy on
+a host that already runs that task). Every
 JVM runs in its own process group, so that stopping (or killing) a worker
 takes its executors and their Python workers with it. Used by the
 ``spark_cluster`` tests and by ``bench/bench_spark.py --cluster``.
@@ -41,12 +44,14 @@ class Daemon:
     name: str
     argv: list[str]
     log_path: Path
+    #: Variables of this daemon only (a worker's SPARK_LOCAL_IP).
+    own_env: dict[str, str] = dataclasses.field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     _log: IO[bytes] | None = None
 
     def start(self, env: dict[str, str]) -> None:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.argv, env=env, stdout=self._log,
+        self.proc = subprocess.Popen(self.argv, env={**env, **self.own_env}, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      stdin=subprocess.DEVNULL)
 
@@ -123,14 +128,15 @@ class Cluster:
             spark_class, "org.apache.spark.deploy.master.Master", "--host", HOST,
             "--port", str(self.port), "--webui-port", str(self.web_port),
         ], root / "master.log")
+        self.worker_hosts = [f"127.0.0.{i + 1}" for i in range(workers)]
         self.workers = [
             Daemon(f"worker{i}", [
-                spark_class, "org.apache.spark.deploy.worker.Worker", "--host", HOST,
+                spark_class, "org.apache.spark.deploy.worker.Worker", "--host", host,
                 "--port", str(support.free_port()), "--webui-port", str(support.free_port()),
                 "--cores", str(cores), "--memory", memory,
                 "--work-dir", str(root / f"worker{i}"), self.master_url,
-            ], root / f"worker{i}.log")
-            for i in range(workers)
+            ], root / f"worker{i}.log", own_env={"SPARK_LOCAL_IP": host})
+            for i, host in enumerate(self.worker_hosts)
         ]
 
     # -- life cycle --------------------------------------------------------------

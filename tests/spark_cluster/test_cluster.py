@@ -13,85 +13,20 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 from pathlib import Path
 
-import psycopg
 import pytest
 
-from drain.spark import mapping
 from tests import support
 from tests.spark import helpers
-from tests.spark_cluster import standalone
+from tests.spark_cluster import standalone, submit
 
 pytestmark = [pytest.mark.spark_cluster, pytest.mark.timeout(600)]
 
-TASK = "search.index_annotation"
+TASK = submit.TASK
 BIG = 1_000_000
-
-
-def _parquet(path: Path, n: int) -> str:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    path.mkdir(parents=True, exist_ok=True)
-    ids = pa.array(range(n), pa.int64())
-    pq.write_table(pa.table({"id": ids, "user_id": pa.compute.cast(
-        pa.compute.divide(ids, 1000), pa.int32())}), path / "part-0.parquet")
-    return str(path)
-
-
-def _submit(cluster: standalone.Cluster, bundle_dir: Path, db_url: str, log: Path,
-            *args: str, conf: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    argv = cluster.submit_argv(bundle_dir, *args, "--database-url", db_url, "--json",
-                               conf=conf)
-    env = {**support.drain_env(db_url), **{k: v for k, v in cluster.env.items()
-                                             if k.startswith("SPARK_")}}
-    with log.open("wb") as err:  # the child has its own copy of the descriptor
-        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
-                                cwd=bundle_dir.parent, start_new_session=True,
-                                stdin=subprocess.DEVNULL)
-
-
-def _finish(proc: subprocess.Popen[str], log: Path, timeout: float = 300) -> dict[str, object]:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    err = log.read_text(errors="replace")
-    assert proc.returncode == 0, err[-4000:]
-    assert "Traceback" not in err
-    parsed: dict[str, object] = json.loads(out.strip().splitlines()[-1])
-    return parsed
-
-
-def _committed(db_url: str, run_id: str) -> int:
-    return len(helpers.ledger(db_url, run_id))
-
-
-def _assert_every_key_once(db_url: str, run_id: str, n: int, partitions: int) -> None:
-    with psycopg.connect(db_url) as conn:
-        row = conn.execute(
-            "SELECT count(*), count(DISTINCT task_id), "
-            "count(DISTINCT (kwargs->>'annotation_id')::bigint), "
-            "min((kwargs->>'annotation_id')::bigint), max((kwargs->>'annotation_id')::bigint) "
-            "FROM staged_jobs"
-        ).fetchone()
-        assert row == (n, n, n, 0, n - 1)
-        # Every key's task id is the deterministic one (on a spread of keys).
-        sample = conn.execute(
-            "SELECT kwargs->>'annotation_id', task_id::text FROM staged_jobs "
-            "WHERE (kwargs->>'annotation_id')::bigint % 997 = 0"
-        ).fetchall()
-    assert len(sample) == (n - 1) // 997 + 1
-    assert all(str(mapping.task_id_for(run_id, key)) == task_id for key, task_id in sample)
-    ledger = helpers.ledger(db_url, run_id)
-    assert sorted(ledger) == list(range(partitions))
-    assert sum(ledger.values()) == n
 
 
 def test_submitted_backfill_and_reconcile_run_on_the_cluster(
@@ -114,16 +49,16 @@ def test_submitted_backfill_and_reconcile_run_on_the_cluster(
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "['./drain.zip/drain/__init__.py']"
 
-    path = _parquet(tmp_path / "records", 20_000)
+    path = submit.parquet(tmp_path / "records", 20_000)
     log = tmp_path / "backfill.log"
     started = time.monotonic()
-    result = _finish(_submit(
+    result = submit.finish(submit.submit(
         workers, bundle_dir, db_url, log, "backfill", "--source", f"parquet:{path}",
         "--task", TASK, "--kwargs", "annotation_id=id", "--tag", "backfill.cluster",
     ), log)
     # Default partitions: 4 per core of the cluster's two 1-core executors.
     assert (result["rows"], result["partitions"], result["written"]) == (20_000, 8, 8)
-    _assert_every_key_once(db_url, "backfill.cluster", 20_000, 8)
+    submit.assert_every_key_once(db_url, "backfill.cluster", 20_000, 8)
     print(f"backfill submitted and finished in {time.monotonic() - started:.1f}s")
 
     helpers.execute(
@@ -136,7 +71,7 @@ def test_submitted_backfill_and_reconcile_run_on_the_cluster(
     )
     log = tmp_path / "reconcile.log"
     started = time.monotonic()
-    report = _finish(_submit(
+    report = submit.finish(submit.submit(
         workers, bundle_dir, db_url, log, "reconcile", "--source", "table:annotation",
         "--version-column", "version", "--downstream", "table:search_index",
         "--downstream-id-column", "annotation_id", "--stage", "--task", TASK,
@@ -155,15 +90,16 @@ def _kill_while_writing(cluster: standalone.Cluster, bundle_dir: Path, db_url: s
                         tmp_path: Path, kill: str) -> dict[str, object]:
     """A 1,000,000-record backfill in 16 partitions; once some partitions committed and
     others are being written, ``kill`` worker 0's executor or the whole worker."""
-    path = _parquet(tmp_path / "records", BIG)
+    path = submit.parquet(tmp_path / "records", BIG)
     run_id = f"kill-{kill}"
     log = tmp_path / "backfill.log"
-    proc = _submit(cluster, bundle_dir, db_url, log, "backfill", "--source", f"parquet:{path}",
-                   "--task", TASK, "--kwargs", "annotation_id=id", "--tag", "backfill.kill",
-                   "--id", run_id, "--partitions", "16")
+    proc = submit.submit(cluster, bundle_dir, db_url, log, "backfill",
+                         "--source", f"parquet:{path}", "--task", TASK,
+                         "--kwargs", "annotation_id=id", "--tag", "backfill.kill",
+                         "--id", run_id, "--partitions", "16")
     try:
         support.wait_for(
-            lambda: _committed(db_url, run_id) >= 3 or proc.poll() is not None, 240,
+            lambda: submit.committed(db_url, run_id) >= 3 or proc.poll() is not None, 240,
             "3 committed partitions",
         )
         assert proc.poll() is None, "the backfill ended before the kill"
@@ -172,17 +108,17 @@ def _kill_while_writing(cluster: standalone.Cluster, bundle_dir: Path, db_url: s
             cluster.kill_executor(0)
         else:
             cluster.kill_worker(0)
-        killed_at = _committed(db_url, run_id)
+        killed_at = submit.committed(db_url, run_id)
         started = time.monotonic()
     except BaseException:
         proc.kill()
         raise
     assert killed_at < 16, "every partition had committed before the kill"
-    result = _finish(proc, log)
+    result = submit.finish(proc, log)
     print(f"{kill} killed after {killed_at}/16 partitions; the run finished "
           f"{time.monotonic() - started:.1f}s later: {result}")
     assert result["rows"] == BIG
-    _assert_every_key_once(db_url, run_id, BIG, 16)
+    submit.assert_every_key_once(db_url, run_id, BIG, 16)
     return result
 
 

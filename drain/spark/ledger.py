@@ -1,0 +1,203 @@
+"""What a backfill keeps in Postgres besides its jobs: the ledger and the attempts.
+
+* ``drain_backfill_ledger``: one row per committed partition, written in the
+  partition's own transaction (:mod:`drain.spark.writer`). The driver reads it
+  before a run: the partition count an id was started with, and which
+  partitions are committed already (a re-run skips them before any shuffle).
+* ``drain_backfill_attempts``: one row per Spark attempt at a partition,
+  written outside that transaction, so that an attempt which staged nothing
+  is on record too: a task Spark retried after a failure, a speculative copy,
+  an attempt that found its partition committed. ``outcome`` is NULL for an
+  attempt stopped or lost before it could write how it ended (Spark killed the
+  slower copy, or its executor died). The driver reads them after the write
+  and the run reports them (:class:`Attempts`).
+
+Both tables come from ``drain migrate`` (staging_schema.sql).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import psycopg
+
+from drain.errors import ConfigError, DatabaseUnavailable, SchemaMissing
+from drain.url_parts import first_line
+from drain.urls import mask_database_url
+
+LEDGER = "drain_backfill_ledger"
+ATTEMPTS = "drain_backfill_attempts"
+
+COMMITTED = "committed"
+FOUND_COMMITTED = "found committed"
+FAILED = "failed"
+
+_STARTED = (
+    "INSERT INTO drain_backfill_attempts (backfill_id, run_token, partition, attempt, host) "
+    "VALUES (%s, %s, %s, %s, %s) RETURNING id"
+)
+_ENDED = "UPDATE drain_backfill_attempts SET outcome = %s, ended_at = now() WHERE id = %s"
+
+
+@dataclasses.dataclass(frozen=True)
+class LedgerState:
+    """The ledger's record of one backfill id."""
+
+    partitions: int | None
+    committed: int
+    rows: int
+    #: The committed partitions' indexes.
+    indexes: frozenset[int] = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempts:
+    """How the Spark attempts of one run went (from drain_backfill_attempts).
+
+    ``extra`` attempts are those beyond one per partition: Spark retried a
+    failed task or ran a speculative copy. Each partition still commits at
+    most once (the ledger's primary key); ``committed_twice`` lists any
+    partition this run's attempts committed more than once, which must never
+    happen.
+    """
+
+    total: int = 0
+    extra: int = 0
+    #: Partitions that had more than one attempt.
+    partitions_retried: int = 0
+    #: Attempts that ended in an error (their transaction rolled back).
+    failed: int = 0
+    #: Attempts that found their partition committed and staged nothing.
+    found_committed: int = 0
+    #: Attempts stopped or lost before they could record how they ended.
+    unheard: int = 0
+    committed_twice: tuple[int, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "committed_twice": list(self.committed_twice)}
+
+    def text(self) -> str:
+        """``2 partitions took 3 more attempts ...`` (empty when there were none)."""
+        if not self.extra:
+            return ""
+        how = [f"{n} {what}" for n, what in (
+            (self.failed, "failed"), (self.found_committed, "found it committed"),
+            (self.unheard, "stopped by Spark or lost"),
+        ) if n]
+        return (f"{self.partitions_retried} partition(s) took {self.extra} more Spark "
+                f"attempt(s) (retries or speculative copies); only one attempt of each "
+                f"committed ({', '.join(how)})")
+
+
+# -- on the driver -------------------------------------------------------------------
+
+
+def connect(database_url: str, purpose: str) -> psycopg.Connection[tuple[Any, ...]]:
+    try:
+        return psycopg.connect(database_url, connect_timeout=10, autocommit=True,
+                               application_name=purpose[:63])
+    except psycopg.Error as exc:
+        raise DatabaseUnavailable(
+            f"database {mask_database_url(database_url)} unreachable: {first_line(exc)}"
+        ) from None
+
+
+def prepare(database_url: str, run_id: str, partitions: int) -> LedgerState:
+    """Check the schema (staged_jobs, the ledger and the attempts, from `drain migrate`)
+    and ``partitions`` against an earlier run of ``run_id`` (a different count would
+    re-assign rows)."""
+    with connect(database_url, "drain spark") as conn:
+        missing = [
+            name for name in ("staged_jobs", LEDGER, ATTEMPTS)
+            if not _exists(conn, name)
+        ]
+        if "staged_jobs" in missing:
+            raise SchemaMissing(
+                f"database {mask_database_url(database_url)} has no staged_jobs table: "
+                "run `drain migrate` first"
+            )
+        if missing:
+            raise SchemaMissing(
+                f"database {mask_database_url(database_url)} has an older drain schema "
+                f"(no {missing[0]} table): run `drain migrate`"
+            )
+        state = ledger_state(conn, run_id)
+    if state.partitions is not None and state.partitions != partitions:
+        raise ConfigError(
+            f"backfill id {run_id!r} was started with {state.partitions} partitions "
+            f"({state.committed} committed): re-run it with --partitions {state.partitions} "
+            "(rows are assigned to partitions by their key modulo the count), or use a new id"
+        )
+    return state
+
+
+def _exists(conn: psycopg.Connection[tuple[Any, ...]], table: str) -> bool:
+    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()
+    return bool(row and row[0])
+
+
+def earlier_partitions(database_url: str, run_id: str) -> int | None:
+    """The partition count an earlier run of ``run_id`` used (None: no earlier run)."""
+    with connect(database_url, "drain spark") as conn:
+        if not _exists(conn, LEDGER):
+            return None
+        return ledger_state(conn, run_id).partitions
+
+
+def ledger_state(conn: psycopg.Connection[tuple[Any, ...]], run_id: str) -> LedgerState:
+    rows = conn.execute(
+        "SELECT partition, partitions, rows FROM drain_backfill_ledger WHERE backfill_id = %s",
+        (run_id,),
+    ).fetchall()
+    return LedgerState(
+        partitions=max((int(r[1]) for r in rows), default=None),
+        committed=len(rows),
+        rows=sum(int(r[2]) for r in rows),
+        indexes=frozenset(int(r[0]) for r in rows),
+    )
+
+
+def attempts(database_url: str, run_token: str) -> Attempts:
+    """How this run's attempts went (``run_token``: :attr:`WriterConfig.run_token`)."""
+    with connect(database_url, "drain spark") as conn:
+        rows = conn.execute(
+            "SELECT partition, outcome FROM drain_backfill_attempts WHERE run_token = %s",
+            (run_token,),
+        ).fetchall()
+    per_partition: dict[int, int] = {}
+    commits: dict[int, int] = {}
+    outcomes: dict[str | None, int] = {}
+    for partition, outcome in rows:
+        per_partition[partition] = per_partition.get(partition, 0) + 1
+        kind = outcome.split(":", 1)[0] if outcome else None
+        outcomes[kind] = outcomes.get(kind, 0) + 1
+        if outcome == COMMITTED:
+            commits[partition] = commits.get(partition, 0) + 1
+    return Attempts(
+        total=len(rows),
+        extra=len(rows) - len(per_partition),
+        partitions_retried=sum(1 for n in per_partition.values() if n > 1),
+        failed=outcomes.get(FAILED, 0),
+        found_committed=outcomes.get(FOUND_COMMITTED, 0),
+        unheard=outcomes.get(None, 0),
+        committed_twice=tuple(sorted(p for p, n in commits.items() if n > 1)),
+    )
+
+
+# -- on the executors ----------------------------------------------------------------
+
+
+def attempt_started(conn: psycopg.Connection[tuple[Any, ...]], *, run_id: str,
+                    run_token: str, partition: int, attempt: int, host: str | None) -> int:
+    """Record an attempt (autocommit, before the partition's transaction); its id."""
+    row = conn.execute(_STARTED, (run_id, run_token, partition, attempt, host)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def attempt_ended(conn: psycopg.Connection[tuple[Any, ...]], attempt_id: int,
+                  outcome: str) -> None:
+    """Record how an attempt ended: :data:`COMMITTED`, :data:`FOUND_COMMITTED`, or
+    ``failed: <why>``."""
+    conn.execute(_ENDED, (outcome[:500], attempt_id))
