@@ -24,7 +24,7 @@ import dataclasses
 import datetime as dt
 import uuid
 from collections.abc import Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from drain.errors import ConfigError
 from drain.staging import _row
@@ -208,9 +208,12 @@ def args_json(df: DataFrame, mapping: Mapping) -> Column:
 
     if mapping.args_expr:
         _require_type(df, mapping.args_expr, (ArrayType,), "--args-expr", "an array")
-        return _not_null(F.to_json(F.expr(mapping.args_expr), _JSON_OPTIONS), "args")
+        # NULL means no args, as drain.stage(args=None).
+        return F.coalesce(F.to_json(F.expr(mapping.args_expr), _JSON_OPTIONS), F.lit("[]"))
     if not mapping.args:
         return F.lit("[]")
+    for _, column in mapping.args:
+        _require_json(df, F.col(column), column, "--args")
     # to_json takes arrays and structs only: each value as a one-element array, unwrapped.
     values = [
         F.regexp_extract(F.to_json(F.array(F.col(column)), _JSON_OPTIONS), r"^\[(.*)\]$", 1)
@@ -226,18 +229,15 @@ def kwargs_json(df: DataFrame, mapping: Mapping) -> Column:
     if mapping.kwargs_expr:
         _require_type(df, mapping.kwargs_expr, (StructType, MapType), "--kwargs-expr",
                       "a struct or a map")
-        return _not_null(F.to_json(F.expr(mapping.kwargs_expr), _JSON_OPTIONS), "kwargs")
+        # NULL means no kwargs, as drain.stage(kwargs=None).
+        return F.coalesce(F.to_json(F.expr(mapping.kwargs_expr), _JSON_OPTIONS), F.lit("{}"))
     if not mapping.kwargs:
         return F.lit("{}")
+    for _, column in mapping.kwargs:
+        _require_json(df, F.col(column), column, "--kwargs")
     return F.to_json(
         F.struct(*[F.col(column).alias(name) for name, column in mapping.kwargs]), _JSON_OPTIONS
     )
-
-
-def _not_null(column: Column, what: str) -> Column:
-    from pyspark.sql import functions as F  # noqa: PLC0415
-
-    return F.coalesce(column, F.raise_error(F.lit(f"a record's {what} expression is NULL")))
 
 
 def _require_type(df: DataFrame, expression: str, types: tuple[type, ...], flag: str,
@@ -249,3 +249,31 @@ def _require_type(df: DataFrame, expression: str, types: tuple[type, ...], flag:
         raise ConfigError(
             f"{flag} must return {what}, but {expression!r} returns {data_type.simpleString()}"
         )
+    _require_json(df, F.expr(expression), expression, flag)
+
+
+def _require_json(df: DataFrame, value: Column, shown: str, flag: str) -> None:
+    """Refuse, before any Spark job, a value type JSON cannot hold as drain.stage would
+    (Spark's to_json would turn bytes into base64 and a map's keys into strings)."""
+    problem = _not_json(df.select(value).schema.fields[0].dataType)
+    if problem:
+        raise ConfigError(f"{flag} value {shown!r} {problem}, which a job's JSON cannot hold "
+                          "as such: convert it in the expression (e.g. base64(...), "
+                          "map_from_entries(...) with string keys)")
+
+
+def _not_json(data_type: Any) -> str | None:
+    """What in ``data_type`` JSON cannot hold (binary, a map without string keys)."""
+    from pyspark.sql import types as T  # noqa: PLC0415
+
+    if isinstance(data_type, T.BinaryType):
+        return "holds binary data"
+    if isinstance(data_type, T.MapType):
+        if not isinstance(data_type.keyType, T.StringType):
+            return f"is a map with {data_type.keyType.simpleString()} keys"
+        return _not_json(data_type.valueType)
+    if isinstance(data_type, T.ArrayType):
+        return _not_json(data_type.elementType)
+    if isinstance(data_type, T.StructType):
+        return next((p for f in data_type.fields if (p := _not_json(f.dataType))), None)
+    return None

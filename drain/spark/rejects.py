@@ -5,8 +5,9 @@ else why not, in :func:`drain.stage`'s words (drain/staging.py):
 
 * args or kwargs holding a NUL character (``\\u0000`` in their JSON): "args for
   TASK contain a NUL character, which jsonb refuses";
-* a NaN or infinite float among the args or kwargs columns, which JSON cannot
-  hold (Spark would write the string ``"NaN"``): "kwargs for TASK are not
+* a NaN or infinite float among the args or kwargs, at any depth (in a struct,
+  an array, a map's values), which JSON cannot hold (Spark would write the
+  string ``"NaN"``): "kwargs for TASK are not
   JSON-serialisable: Out of range float values are not JSON compliant: nan; ...".
 
 :func:`check` runs it over the source before the write (a pass without a
@@ -21,7 +22,7 @@ checked by the run that committed them), so its FILE lists only their records.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from drain.errors import StagingError
 from drain.spark import mapping as mapping_
@@ -41,7 +42,6 @@ def reason(df: DataFrame, m: mapping_.Mapping) -> Column | None:
     """Why a record of ``df`` cannot be staged (NULL: it can); None when no record can
     be refused (no string or float among the mapping's values)."""
     from pyspark.sql import functions as F  # noqa: PLC0415
-    from pyspark.sql.types import DoubleType, FloatType  # noqa: PLC0415
 
     checks: list[Column] = []
     keyed = df.withColumn("_key", F.expr(m.key))
@@ -58,17 +58,45 @@ def reason(df: DataFrame, m: mapping_.Mapping) -> Column | None:
                 F.lit(f"{what} for {m.task_name} contain a NUL character, which jsonb refuses"),
             ))
         for value, data_type in zip(values, types, strict=True):
-            if isinstance(data_type, (DoubleType, FloatType)):
-                column = F.expr(value)
-                shown = F.when(F.isnan(column), F.lit("nan")).when(
-                    column > 0, F.lit("inf")).otherwise(F.lit("-inf"))
-                head, _, tail = _NOT_JSON.format(what=what, task=m.task_name,
-                                                 value="\0").partition("\0")
-                checks.append(F.when(
-                    F.isnan(column) | (F.abs(column) == F.lit(float("inf"))),
-                    F.concat(F.lit(head), shown, F.lit(tail)),
-                ))
+            found = first_bad_float(F.expr(value), data_type)
+            if found is None:
+                continue
+            shown = F.when(F.isnan(found), F.lit("nan")).when(
+                found > 0, F.lit("inf")).otherwise(F.lit("-inf"))
+            head, _, tail = _NOT_JSON.format(what=what, task=m.task_name,
+                                             value="\0").partition("\0")
+            checks.append(F.when(found.isNotNull(), F.concat(F.lit(head), shown, F.lit(tail))))
     return F.coalesce(*checks) if checks else None
+
+
+def first_bad_float(value: Column, data_type: Any) -> Column | None:
+    """The first NaN or infinite float in ``value`` (a double; NULL: none), looking
+    into structs, arrays and map values; None when its type holds no float."""
+    from pyspark.sql import functions as F  # noqa: PLC0415
+    from pyspark.sql import types as T  # noqa: PLC0415
+
+    if isinstance(data_type, (T.DoubleType, T.FloatType)):
+        return F.when(F.isnan(value) | (F.abs(value) == F.lit(float("inf"))),
+                      value.cast("double"))
+    if isinstance(data_type, T.StructType):
+        found = [c for f in data_type.fields
+                 if (c := first_bad_float(value.getField(f.name), f.dataType)) is not None]
+        return F.coalesce(*found) if len(found) > 1 else (found[0] if found else None)
+    if isinstance(data_type, (T.ArrayType, T.MapType)):
+        inner = (data_type.elementType if isinstance(data_type, T.ArrayType)
+                 else data_type.valueType)
+        if first_bad_float(F.lit(None).cast(inner), inner) is None:
+            return None
+        items = value if isinstance(data_type, T.ArrayType) else F.map_values(value)
+
+        def bad(item: Column) -> Column:
+            found = first_bad_float(item, inner)
+            assert found is not None
+            return found
+
+        return F.try_element_at(F.filter(F.transform(items, bad), lambda x: x.isNotNull()),
+                                F.lit(1))
+    return None
 
 
 def _values(columns: tuple[tuple[str, str], ...], expression: str | None) -> list[str]:

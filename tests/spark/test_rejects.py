@@ -127,3 +127,67 @@ def test_a_row_postgres_refuses_names_the_partition_and_the_copy_line(
                           "(PL/pgSQL function refuse_13() line 1 at RAISE)"), err
     assert "nothing of it was staged" in err
     assert helpers.ledger(db_url, "backfill.refused").get(_partition(13)) is None
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [
+        ("named_struct('id', id, 'scores', array(1.5D, CASE WHEN id = 7 THEN double('NaN') "
+         "ELSE 2.0D END))", "nan"),
+        ("named_struct('id', id, 'by', map('a', CASE WHEN id = 7 THEN double('-Infinity') "
+         "ELSE 0D END))", "-inf"),
+    ],
+    ids=["in-an-array", "a-map-value"],
+)
+def test_a_nested_nan_or_infinity_is_refused_before_any_copy(
+    spark: SparkSession, db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    expression: str, value: str,
+) -> None:
+    path = str(tmp_path / "ids.parquet")
+    spark.range(0, 20).write.parquet(path)
+    code, _, err = helpers.run(capsys, *_argv(db_url, path, "--kwargs-expr", expression))
+    assert code == 2, err
+    assert err.startswith(
+        f"drain: error: record 7 (partition {_partition(7)}): kwargs for {TASK} are not "
+        f"JSON-serialisable: Out of range float values are not JSON compliant: {value}; "
+    ), err
+    assert helpers.staged(db_url) == []
+
+
+def test_a_null_args_or_kwargs_expression_is_no_args_as_in_drain_stage(
+    spark: SparkSession, db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(tmp_path / "ids.parquet")
+    spark.range(0, 4).write.parquet(path)
+    result = helpers.run_json(capsys, *_argv(
+        db_url, path, "--args-expr", "CASE WHEN id % 2 = 0 THEN array(id) END",
+        "--kwargs-expr", "CASE WHEN id < 2 THEN named_struct('id', id) END",
+    ))
+    assert result["rows"] == 4
+    jobs = sorted(json.dumps([r["args"], r["kwargs"]]) for r in helpers.staged(db_url))
+    assert jobs == sorted(json.dumps(j) for j in ([[0], {"id": 0}], [[], {"id": 1}], [[2], {}],
+                                                  [[], {}]))
+
+
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        (("--kwargs", "raw=blob"), "--kwargs value 'blob' holds binary data"),
+        (("--kwargs-expr", "map(id, id)"), "--kwargs-expr value 'map(id, id)' is a map with "
+         "bigint keys"),
+        (("--args-expr", "array(named_struct('b', blob))"), "holds binary data"),
+    ],
+    ids=["binary", "map-keys", "nested-binary"],
+)
+def test_a_value_json_cannot_hold_is_refused_before_spark_runs(
+    spark: SparkSession, db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    flags: tuple[str, ...], problem: str,
+) -> None:
+    path = str(tmp_path / "blobs.parquet")
+    spark.range(0, 4).selectExpr("id", "binary(concat('x', id)) AS blob").write.parquet(path)
+    code, _, err = helpers.run(capsys, *_argv(db_url, path, *flags))
+    assert code == 2, err
+    assert err.count("\n") == 1, err
+    assert problem in err, err
+    assert "which a job's JSON cannot hold" in err
+    assert helpers.staged(db_url) == []
