@@ -28,11 +28,15 @@ schema can say so itself); any other queue is ``apply_async(queue=...)``.
 
 Routing costs a call into Celery per row only when the app has router
 functions (which may look at the arguments); routes that are plain mappings
-give one answer per (task name, queue), cached.
+give one answer per (task name, queue), cached. With router functions, what
+does not depend on the row is still worked out once: the task's options per
+(task name, queue), and what a routed answer (queue, exchange, routing key,
+priority) becomes, per answer; only the router itself runs per row.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import Any
@@ -87,6 +91,11 @@ class AppRouter:
         self.static = all(isinstance(route, MapRoute) for route in app.amqp.routes)
         self._cache: dict[tuple[str, str | None], Destination] = {}
         self._specs: dict[str, QueueSpec] = {}
+        self._starts: dict[tuple[str, str | None], _Start] = {}
+        # Both are the app's for good once it is finalized (cached properties).
+        self._router = app.amqp.router
+        self._queues = app.amqp.queues
+        self._answers: dict[tuple[str, tuple[Any, ...]], Destination] = {}
 
     def destination(self, row: StagedRow) -> Destination:
         """Where ``apply_async`` sends this row's task (raises :class:`UnknownTask`)."""
@@ -96,17 +105,25 @@ class AppRouter:
             cached = self._cache.get(key)
             if cached is not None:
                 return cached
-        task = self._tasks.get(row.task_name)
-        if task is None and not self.allow_unknown:
-            raise UnknownTask(f"task {row.task_name!r} is not registered in the Celery app "
-                              f"{self.app.main!r}")
+        start = self._starts.get(key)
+        if start is None:
+            start = self._starts[key] = self._start(row.task_name, queue)
         args: Any = ()
         kwargs: Any = {}
         if not self.static:  # router functions may look at them
             args, kwargs = json.loads(row.args_json), json.loads(row.kwargs_json)
-        found = self._resolve(row.task_name, task, queue, args, kwargs)
+        routed = self._router.route(dict(start.options), row.task_name, args, kwargs,
+                                    start.task)
+        answer = self._answer_key(routed)
+        if answer is not None:
+            cached = self._answers.get((row.task_name, answer))
+            if cached is not None:
+                return cached
+        found = self._destination(start, routed)
         if self.static:
             self._cache[key] = found
+        elif answer is not None:
+            self._answers[(row.task_name, answer)] = found
         return found
 
     def spec(self, queue: str) -> QueueSpec:
@@ -116,8 +133,12 @@ class AppRouter:
             found = self._specs[queue] = queue_spec(self.app.amqp.queues[queue])
         return found
 
-    def _resolve(self, name: str, task: Any, queue: str | None,
-                 args: Any, kwargs: Any) -> Destination:
+    def _start(self, name: str, queue: str | None) -> _Start:
+        """What ``apply_async`` starts from for task ``name`` (raises UnknownTask)."""
+        task = self._tasks.get(name)
+        if task is None and not self.allow_unknown:
+            raise UnknownTask(f"task {name!r} is not registered in the Celery app "
+                              f"{self.app.main!r}")
         # Task.apply_async: dict(task exec options, **options), then send_task.
         options: dict[str, Any] = (
             {option: getattr(task, option, None) for option in EXEC_OPTIONS}
@@ -129,7 +150,26 @@ class AppRouter:
         soft_time_limit = options.pop("soft_time_limit", None)
         options.pop("expires", None)  # the row's expires_at decides (drain.message)
         ignore_result = getattr(task, "ignore_result", None) if task is not None else None
-        routed = self.app.amqp.router.route(options, name, args, kwargs, task)
+        return _Start(task, options, (_header_number(time_limit),
+                                      _header_number(soft_time_limit)),
+                      None if ignore_result is None else bool(ignore_result))
+
+    def _answer_key(self, routed: dict[str, Any]) -> tuple[Any, ...] | None:
+        """``routed`` as a cache key, or None when it holds something that cannot be
+        one (a kombu Queue other than the app's own, an Exchange, a dict...)."""
+        items = []
+        for name, value in routed.items():
+            if isinstance(value, Queue):
+                if self._queues.get(value.name) is not value:
+                    return None
+                items.append((name, ("queue", value.name)))
+            elif isinstance(value, (str, int, float, bool, type(None))):
+                items.append((name, value))
+            else:
+                return None
+        return tuple(sorted(items))
+
+    def _destination(self, start: _Start, routed: dict[str, Any]) -> Destination:
         target, exchange, routing_key = _publish_target(self.app, routed)
         arguments = self.spec(target.name).arguments or {}
         # Celery's router drops a None priority when it merges a route (kombu then
@@ -142,9 +182,20 @@ class AppRouter:
             queue=target.name,
             priority=None if priority is None else int(priority),
             max_priority=int(arguments.get("x-max-priority") or 0),
-            timelimit=(_header_number(time_limit), _header_number(soft_time_limit)),
-            ignore_result=None if ignore_result is None else bool(ignore_result),
+            timelimit=start.timelimit,
+            ignore_result=start.ignore_result,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Start:
+    """What ``apply_async`` starts from for one (task, queue): the registered task,
+    its publishing options, and the options drain sends itself."""
+
+    task: Any
+    options: dict[str, Any]
+    timelimit: tuple[int | float | None, int | float | None]
+    ignore_result: bool | None
 
 
 def _publish_target(app: Celery, routed: dict[str, Any]) -> tuple[Queue, str, str]:

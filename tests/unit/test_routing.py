@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from celery import Celery
+from kombu.entity import Queue
 
 from drain import celery_app, routing
 from drain.errors import ConfigError
@@ -75,6 +77,38 @@ def test_static_routes_are_cached() -> None:
         assert router.destination(_row("a.one", args="[2]")) is first
         assert first.queue == "qa"
         assert router.destination(_row("b.one")).queue == "celery"
+    finally:
+        app.close()
+
+
+def test_a_router_functions_answers_are_asked_per_row_and_reused_per_answer() -> None:
+    app = Celery("function_unit", set_as_current=False)
+    asked: list[int] = []
+    fresh = Queue("fresh_unit")
+
+    def by_size(name: str, args: Any, kwargs: Any, options: Any, task: Any = None,
+                **_: Any) -> Any:
+        asked.append(args[0])
+        if args[0] > 100:
+            return {"queue": "big_unit", "priority": 3}
+        if args[0] < 0:
+            return {"queue": fresh}  # a Queue of its own: not the app's, never cached
+        return None
+
+    app.conf.task_routes = [by_size]
+    try:
+        router = routing.AppRouter(app, allow_unknown=True)
+        assert not router.static
+        sizes = [1, 500, 2, 700, -1, 3, 900, -2]
+        found = [router.destination(_row("a.one", args=f"[{n}]")) for n in sizes]
+        assert asked == sizes  # the function runs for every row
+        assert [(d.queue, d.priority) for d in found] == [
+            ("celery", 0), ("big_unit", 3), ("celery", 0), ("big_unit", 3),
+            ("fresh_unit", 0), ("celery", 0), ("big_unit", 3), ("fresh_unit", 0)]
+        # One answer, one Destination: what the routed options become is worked out once.
+        assert found[1] is found[3] is found[6]
+        assert found[0] is found[2] is found[5]
+        assert found[4] is not found[7]
     finally:
         app.close()
 
