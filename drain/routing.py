@@ -157,7 +157,7 @@ class AppRouter:
     def _answer_key(self, routed: dict[str, Any]) -> tuple[Any, ...] | None:
         """``routed`` as a cache key, or None when it holds something that cannot be
         one (a kombu Queue other than the app's own, an Exchange, a dict...)."""
-        items = []
+        items: list[tuple[str, Any]] = []
         for name, value in routed.items():
             if isinstance(value, Queue):
                 if self._queues.get(value.name) is not value:

@@ -141,7 +141,7 @@ def test_a_row_postgres_refuses_names_the_partition_and_the_copy_line(
 )
 def test_a_nested_nan_or_infinity_is_refused_before_any_copy(
     spark: SparkSession, db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-    expression: str, value: str,
+    *, expression: str, value: str,
 ) -> None:
     path = str(tmp_path / "ids.parquet")
     spark.range(0, 20).write.parquet(path)
@@ -165,8 +165,8 @@ def test_a_null_args_or_kwargs_expression_is_no_args_as_in_drain_stage(
     ))
     assert result["rows"] == 4
     jobs = sorted(json.dumps([r["args"], r["kwargs"]]) for r in helpers.staged(db_url))
-    assert jobs == sorted(json.dumps(j) for j in ([[0], {"id": 0}], [[], {"id": 1}], [[2], {}],
-                                                  [[], {}]))
+    expected: list[list[object]] = [[[0], {"id": 0}], [[], {"id": 1}], [[2], {}], [[], {}]]
+    assert jobs == sorted(json.dumps(j) for j in expected)
 
 
 @pytest.mark.parametrize(
@@ -181,7 +181,7 @@ def test_a_null_args_or_kwargs_expression_is_no_args_as_in_drain_stage(
 )
 def test_a_value_json_cannot_hold_is_refused_before_spark_runs(
     spark: SparkSession, db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-    flags: tuple[str, ...], problem: str,
+    *, flags: tuple[str, ...], problem: str,
 ) -> None:
     path = str(tmp_path / "blobs.parquet")
     spark.range(0, 4).selectExpr("id", "binary(concat('x', id)) AS blob").write.parquet(path)
