@@ -38,6 +38,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import bench_common as bc
 import bench_throughput as bt
 import psycopg
 
@@ -53,13 +54,13 @@ def stage(url: str, n: int, queue: str) -> None:
 
 
 def depth(queue: str) -> int:
-    with bt.broker_channel() as channel:
+    with bc.broker_channel() as channel:
         return int(channel.queue_declare(queue, passive=True).method.message_count)
 
 
 def drain_argv(url: str, batch: int, pipeline: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "drain", "run", "--database-url", url,
-            "--broker-url", bt.BROKER_URL, "--batch-size", str(batch),
+            "--broker-url", bc.BROKER_URL, "--batch-size", str(batch),
             "--pipeline", str(pipeline), "--metrics-port", "0", *extra]
 
 
@@ -76,21 +77,21 @@ def one_setting(batch: int, pipeline: int, jobs: int, kills: int,
     tag = uuid.uuid4().hex[:8]
     name = f"drain_bench_crash_{tag}"
     queue = f"bench_crash_{tag}"
-    url = bt.fresh_database(name)
+    url = bc.fresh_database(name)
     killed = 0
     try:
-        bt.declare_queue(queue)
+        bc.declare_queue(queue)
         stage(url, jobs, queue)
         with tempfile.TemporaryFile() as log_file:
             for _ in range(kills):
-                before = bt.staged_count(url)
+                before = bc.staged_count(url)
                 if before <= batch * pipeline:
                     break  # too little left for a kill to land in a busy drain
                 proc = subprocess.Popen(drain_argv(url, batch, pipeline),
                                         stdout=log_file, stderr=subprocess.STDOUT)
                 try:
                     wait_for(
-                        lambda b=before, p=proc: bt.staged_count(url) < b or p.poll() is not None,
+                        lambda b=before, p=proc: bc.staged_count(url) < b or p.poll() is not None,
                         60, "the drain to start deleting")
                     # Fault injection at a random moment of the drain's work.
                     time.sleep(rng.uniform(0.0, 0.5))
@@ -101,14 +102,14 @@ def one_setting(batch: int, pipeline: int, jobs: int, kills: int,
             final = subprocess.run(drain_argv(url, batch, pipeline, "--exit-when-empty"),
                                    stdout=log_file, stderr=subprocess.STDOUT, timeout=600,
                                    check=False)
-            if final.returncode != 0 or bt.staged_count(url) != 0:
+            if final.returncode != 0 or bc.staged_count(url) != 0:
                 log_file.seek(0)
                 sys.stderr.write(log_file.read().decode(errors="replace")[-4000:])
                 raise SystemExit(f"bench_crashes: the last drain exited {final.returncode}")
         published = depth(queue)
     finally:
-        bt.delete_queue(queue)
-        bt.drop_database(name)
+        bc.delete_queue(queue)
+        bc.drop_database(name)
     duplicates = published - jobs
     if duplicates < 0:
         raise SystemExit(f"bench_crashes: {jobs - published} job(s) lost at {batch}x{pipeline}")

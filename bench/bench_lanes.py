@@ -69,15 +69,15 @@ from drain import message
 from drain.urls import broker_parameters
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_memory import BROKER_BYTES_PER_MESSAGE, broker_memory
-from bench_throughput import (
+from bench_common import (
     BROKER_URL,
     declare_queue,
     delete_queue,
     drop_database,
     fresh_database,
-    raw_pika,
 )
+from bench_memory import BROKER_BYTES_PER_MESSAGE, broker_memory
+from bench_throughput import raw_pika
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "lanes.json"

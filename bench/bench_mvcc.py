@@ -65,7 +65,7 @@ from drain.runner import Drain, State
 from drain.urls import broker_parameters
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_throughput import (
+from bench_common import (
     BROKER_URL,
     declare_queue,
     delete_queue,

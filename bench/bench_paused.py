@@ -31,7 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import bench_throughput as bt
+import bench_common as bc
 import psycopg
 
 import drain
@@ -59,24 +59,24 @@ def one_pile(pile: int, flowing: int, batch: int) -> dict[str, Any]:
     tag = uuid.uuid4().hex[:8]
     name = f"drain_bench_paused_{tag}"
     refused, working = f"bench_refused_{tag}", f"bench_flowing_{tag}"
-    url = bt.fresh_database(name)
+    url = bc.fresh_database(name)
     fetches: list[tuple[float, int]] = []
     try:
-        with bt.broker_channel() as channel:
+        with bc.broker_channel() as channel:
             channel.queue_declare(refused, durable=True, arguments={"x-max-length": 1})
-        bt.declare_queue(working)
+        bc.declare_queue(working)
         stage(url, pile, refused, "bench.paused")
         stage(url, flowing, working, "bench.flowing")
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("VACUUM ANALYZE staged_jobs")
-        running = Drain(Settings(database_url=url, broker_url=bt.BROKER_URL, batch_size=batch),
+        running = Drain(Settings(database_url=url, broker_url=bc.BROKER_URL, batch_size=batch),
                         on_fetch=lambda seconds, rows: fetches.append((seconds, rows)))
         thread = threading.Thread(target=running.run, daemon=True)
         started = time.perf_counter()
         thread.start()
         deadline = time.monotonic() + 600
         try:
-            while bt.staged_count(url) > pile:
+            while bc.staged_count(url) > pile:
                 if time.monotonic() > deadline or not thread.is_alive():
                     raise SystemExit(f"bench_paused: the flowing jobs were not published "
                                      f"(pile {pile})")
@@ -85,11 +85,11 @@ def one_pile(pile: int, flowing: int, batch: int) -> dict[str, Any]:
         finally:
             running.stop()
             thread.join(30)
-        left = bt.staged_count(url)
+        left = bc.staged_count(url)
     finally:
-        bt.delete_queue(refused)
-        bt.delete_queue(working)
-        bt.drop_database(name)
+        bc.delete_queue(refused)
+        bc.delete_queue(working)
+        bc.drop_database(name)
     if left != pile:
         raise SystemExit(f"bench_paused: {left} rows left staged, expected the pile of {pile}")
     full = [seconds * 1000 for seconds, rows in fetches if rows >= batch]

@@ -36,7 +36,7 @@ from drain.config import Settings
 from drain.runner import Drain
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_throughput import (
+from bench_common import (
     BROKER_URL,
     declare_queue,
     delete_queue,

@@ -48,7 +48,7 @@ from typing import Any
 import psycopg
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_throughput import (
+from bench_common import (
     BROKER_URL,
     RESULTS,
     ROOT,

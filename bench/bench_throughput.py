@@ -14,11 +14,15 @@ each into its own fresh durable queue (deleted afterwards):
 2. Celery ``send_task`` with ``broker_transport_options={'confirm_publish': True}``,
    what applications do today (on fewer jobs: it runs at ~700 msg/s);
 3. the drain: N rows staged with COPY (not timed), then ``Drain.run`` until the
-   table is empty (staged -> published -> confirmed -> deleted).
+   table is empty (staged -> published -> confirmed -> deleted);
+4. the drain with ``--app`` (``--apps``, default both): rows staged without a
+   queue, routed by a Celery app (bench/bench_app.py) with plain mapping
+   ``task_routes`` (cached per task) and with a router function (called per
+   row), to the same kind of queue as the others.
 
 Raw pika and the drain alternate for ``--rounds`` rounds; medians are reported.
 The goal: the drain at >= 0.9 x the raw rate and >= 8 x Celery, on a
-200,000-row backlog.
+200,000-row backlog; with ``--app`` and static routes, >= 0.9 x raw too.
 
 ``--profile`` adds one more drain round, not timed with the others: ``python -m
 drain run --exit-when-empty`` as a subprocess under ``py-spy record --idle``
@@ -39,39 +43,38 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import dataclasses
 import gc
-import json
 import os
-import re
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import cpu
 import pika
 import psycopg
+from bench_common import (
+    BROKER_URL,
+    ROOT,
+    declare_queue,
+    delete_queue,
+    drop_database,
+    fresh_database,
+    queue_depth,
+    stage,
+    write_results,
+)
 from pika.adapters.select_connection import SelectConnection
+from throughput_profile import print_profile, profile_drain
 
-import drain
-from drain import config, message, store
+from drain import config, message
 from drain.amqp import EncodedProperties
 from drain.config import Settings
 from drain.runner import Drain
 from drain.urls import broker_parameters
 
-ADMIN_URL = os.environ.get("DRAIN_BENCH_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-BROKER_URL = os.environ.get("DRAIN_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
 WINDOW = 1000
-RESULTS = Path(__file__).resolve().parent / "results"
-ROOT = Path(__file__).resolve().parent.parent
 #: The goal: a backlog this large, drained at these multiples of raw pika and Celery.
 GOAL_JOBS = 200_000
 GOAL_X_RAW = 0.9
@@ -79,59 +82,11 @@ GOAL_X_CELERY = 8.0
 RAW = "raw pika, pipelined confirms (window 1000)"
 ENCODED = "raw pika, pre-encoded properties (as the drain)"
 CELERY = "celery send_task, confirm_publish=True"
-
-
-def fresh_database(name: str) -> str:
-    with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.execute(f'CREATE DATABASE "{name}"')
-    url = ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    with psycopg.connect(url) as conn:
-        store.migrate(conn)
-    return url
-
-
-def drop_database(name: str) -> None:
-    with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-@contextlib.contextmanager
-def broker_channel() -> Iterator[Any]:
-    """A channel on a connection of its own, closed afterwards."""
-    conn = pika.BlockingConnection(broker_parameters(BROKER_URL))
-    try:
-        yield conn.channel()
-    finally:
-        conn.close()
-
-
-def delete_queue(queue: str) -> None:
-    with broker_channel() as channel:
-        channel.queue_delete(queue)
-
-
-def declare_queue(queue: str) -> None:
-    with broker_channel() as channel:
-        channel.queue_declare(queue, durable=True)
-
-
-def stage(url: str, n: int, queue: str) -> None:
-    with psycopg.connect(url) as conn:
-        drain.stage_many(
-            conn,
-            (
-                drain.Job("bench.index_annotation", [i], {"user": f"user{i % 97}"}, queue=queue)
-                for i in range(n)
-            ),
-        )
-
-
-def staged_count(url: str) -> int:
-    """Rows in staged_jobs (the benches that wait for a drain to empty it)."""
-    with psycopg.connect(url) as conn:
-        row = conn.execute("SELECT count(*) FROM staged_jobs").fetchone()
-    return int(row[0]) if row else 0
+#: The --app rounds: bench/bench_app.py's apps.
+APPS = {
+    "static": "drain run --app, static task_routes (cached per task)",
+    "function": "drain run --app, a router function (called per row)",
+}
 
 
 def raw_pika(messages: list[message.Message], *, pre_encoded: bool = False,
@@ -202,197 +157,50 @@ def celery_send_task(n: int, queue: str) -> float:
     return elapsed
 
 
+def app_round(url: str, n: int, queue: str, app: str, *, size: tuple[int, int],
+              cpu_used: dict[str, list[dict[str, float]]]) -> float:
+    """One drain round with ``--app bench_app:APP``: ``n`` rows staged without a
+    queue, routed by the app to ``queue``; its seconds."""
+    stage(url, n, None)
+    declare_queue(queue)
+    before = cpu.sample()
+    elapsed, published = run_drain(url, *size, app=f"bench_app:{app}")
+    cpu_used[APPS[app]].append(cpu.per_message(before, cpu.sample(), n))
+    assert published == n, (published, n)
+    assert queue_depth(queue) == n, "the app routed jobs elsewhere"
+    delete_queue(queue)
+    return elapsed
+
+
+def parse_apps(text: str) -> list[str]:
+    """``--apps static,function`` ('' for none)."""
+    apps = [a for a in text.split(",") if a]
+    if set(apps) - set(APPS):
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(APPS)}, got {text!r}")
+    return apps
+
+
+def smoke(args: argparse.Namespace) -> None:
+    """--smoke: tiny sizes, one round, no profile."""
+    if args.profile:
+        print("--smoke: no profile round", file=sys.stderr)
+    args.jobs, args.celery_jobs, args.rounds, args.profile = 3000, 200, 1, False
+    args.more = args.more or "500x2"
+
+
 def parse_setting(text: str) -> tuple[int, int]:
     """``"1000x3"``: batch size 1000, pipeline 3."""
     batch, _, pipeline = text.partition("x")
     return int(batch), int(pipeline or config.DEFAULT_PIPELINE)
 
 
-def run_drain(url: str, batch_size: int, pipeline: int) -> tuple[float, int]:
+def run_drain(url: str, batch_size: int, pipeline: int, app: str = "") -> tuple[float, int]:
     d = Drain(Settings(database_url=url, broker_url=BROKER_URL, batch_size=batch_size,
-                       pipeline=pipeline),
+                       pipeline=pipeline, celery_app=app),
               exit_when_empty=True)
     t0 = time.perf_counter()
     d.run()
     return time.perf_counter() - t0, d.published
-
-
-# -- the profile round ------------------------------------------------------------------
-
-#: "function (file:line)" as py-spy writes a frame.
-FRAME = re.compile(r"^(?P<function>.*) \((?P<file>[^()]*?)(?::\d+)?\)$")
-DRAIN_FILE = re.compile(r"(^|/)drain/[^/]+\.py$")
-#: Frames of the process's entry (runpy, the CLI): on every stack, they tell nothing.
-ENTRY_FILE = re.compile(r"^<frozen runpy>$|(^|/)drain/(__main__|cli)\.py$")
-#: Leaf frames that are the drain blocked on a socket, not working.
-BROKER_WAIT = re.compile(r"^\w*Poller\.poll \(pika/")
-POSTGRES_WAIT = re.compile(r"^(Connection\.wait \(psycopg/|wait\w* \(psycopg/waiting)")
-NO_STACK = "(no Python stack)"
-#: The root frame of every thread but the main one (the sampler, the HTTP server,
-#: the watchdog): their idle waits are not the drain loop's.
-THREAD_ROOT = re.compile(r"^(Thread\.)?_bootstrap \(.*threading\.py")
-IMPORTS = "(start-up: imports)"
-
-
-@dataclasses.dataclass(frozen=True)
-class Frame:
-    name: str  # "Store.fetch (drain/store.py)": the function, without the line
-    file: str
-
-    @property
-    def ours(self) -> bool:
-        return bool(DRAIN_FILE.search(self.file))
-
-
-def _frame(text: str) -> Frame:
-    match = FRAME.match(text)
-    if match is None:
-        return Frame(text, "")
-    return Frame(f"{match['function']} ({match['file']})", match["file"])
-
-
-def read_collapsed(path: Path) -> list[tuple[list[str], int]]:
-    """py-spy's ``--format raw`` output: one "frame;frame;...;frame count" line per stack."""
-    stacks = []
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if count.isdigit():
-            stacks.append(([f for f in stack.split(";") if f.strip()], int(count)))
-    return stacks
-
-
-def _activity(frames: list[Frame], deepest_drain: Frame | None) -> str:
-    """What the drain was doing in one sample, in a few coarse kinds."""
-    names = [f.name for f in frames]
-    if not any(name.startswith("Pipeline.cycle ") for name in names):
-        return "outside the cycle: start-up, connecting, shut-down"
-    leaf = names[-1]
-    if BROKER_WAIT.match(leaf):
-        return "idle: waiting on the broker socket (confirms)"
-    if POSTGRES_WAIT.match(leaf):
-        return "idle: waiting on Postgres (fetch, delete, commit)"
-    where = deepest_drain.file if deepest_drain else ""
-    if where.endswith(("drain/message.py", "drain/amqp.py")):
-        return "CPU: building and encoding messages (drain.message, drain.amqp)"
-    if where.endswith(("drain/store.py", "drain/keyset.py")):
-        return "CPU: Postgres client (psycopg: send queries, adapt ids, parse rows)"
-    if where.endswith(("drain/publisher.py", "drain/queue_declare.py", "drain/amqp_link.py")):
-        return "CPU: pika (marshal frames, socket writes, read confirms)"
-    return "CPU: the drain loop (runner, other)"
-
-
-def where_the_time_goes(stacks: list[tuple[list[str], int]], top: int) -> dict[str, Any]:
-    """Where the main thread's samples fall, four ways (other threads' are only counted).
-
-    * by activity: waiting on the broker or Postgres versus CPU, by kind of work;
-    * by drain function: the deepest frame in the drain package (its own code plus the
-      library calls it makes, less deeper drain frames); imports are one bucket;
-    * by own time: the sampled (leaf) frame;
-    * by cumulative time: anywhere on the stack, once per stack (the entry frames,
-      runpy and the CLI, left out).
-    """
-    activity: collections.Counter[str] = collections.Counter()
-    by_drain: collections.Counter[str] = collections.Counter()
-    own: collections.Counter[str] = collections.Counter()
-    cumulative: collections.Counter[str] = collections.Counter()
-    total = other_threads = 0
-    for texts, count in stacks:
-        if texts and THREAD_ROOT.match(texts[0]):
-            other_threads += count
-            continue
-        total += count
-        frames = [_frame(t) for t in texts]
-        if not frames:
-            for counter in (activity, by_drain, own, cumulative):
-                counter[NO_STACK] += count
-            continue
-        deepest = next((f for f in reversed(frames) if f.ours), None)
-        if any(f.name.startswith("_find_and_load ") for f in frames):
-            activity[IMPORTS] += count
-            by_drain[IMPORTS] += count
-        else:
-            activity[_activity(frames, deepest)] += count
-            by_drain[deepest.name if deepest else "(no drain frame)"] += count
-        own[frames[-1].name] += count
-        for name in {f.name for f in frames if not ENTRY_FILE.search(f.file)}:
-            cumulative[name] += count
-
-    def rows(counter: collections.Counter[str], n: int) -> list[dict[str, Any]]:
-        return [{"function": name, "samples": c, "percent": round(100 * c / max(total, 1), 1)}
-                for name, c in counter.most_common(n)]
-
-    return {"samples": total, "other_thread_samples": other_threads,
-            "by_activity": rows(activity, len(activity)),
-            "by_drain_function": rows(by_drain, top), "own": rows(own, top),
-            "cumulative": rows(cumulative, top)}
-
-
-def find_py_spy() -> str:
-    """py-spy beside this interpreter (the venv) or on PATH."""
-    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    found = shutil.which("py-spy", path=path)
-    if found is None:
-        raise SystemExit("--profile needs py-spy: pip install py-spy "
-                         "(`make bench-profile` installs it into .venv)")
-    return found
-
-
-def profile_drain(url: str, n: int, queue: str, *, batch_size: int, pipeline: int,
-                  rate: int, top: int) -> dict[str, Any]:
-    """Drain ``n`` staged rows with ``python -m drain run`` under py-spy; where the time goes."""
-    py_spy = find_py_spy()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "throughput-profile.txt"
-    stage(url, n, queue)
-    declare_queue(queue)
-    command = [
-        py_spy, "record", "--idle", "--format", "raw", "--rate", str(rate), "-o", str(out),
-        "--", sys.executable, "-m", "drain", "run", "--exit-when-empty",
-        "--database-url", url, "--broker-url", BROKER_URL, "--batch-size", str(batch_size),
-        "--pipeline", str(pipeline),
-    ]
-    with tempfile.TemporaryFile("w+") as log_file:
-        t0 = time.perf_counter()
-        proc = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, text=True,
-                              cwd=ROOT, check=False)
-        elapsed = time.perf_counter() - t0
-        if proc.returncode != 0:
-            log_file.seek(0)
-            sys.stderr.write(log_file.read()[-4000:])
-            raise SystemExit(f"the profiled drain failed (py-spy exit {proc.returncode}); "
-                             "py-spy needs ptrace (root, or kernel.yama.ptrace_scope 0)")
-    with psycopg.connect(url) as conn:
-        row = conn.execute("SELECT count(*) FROM staged_jobs").fetchone()
-    assert row is not None and row[0] == 0, f"{row} rows left staged after the profiled drain"
-    delete_queue(queue)
-    profile = where_the_time_goes(read_collapsed(out), top)
-    return {
-        "tool": f"py-spy record --idle --format raw --rate {rate} (wall clock, waiting included)",
-        "jobs": n,
-        "seconds": round(elapsed, 2),
-        "msg_per_s": round(n / elapsed),
-        "collapsed_stacks": str(out.relative_to(ROOT)),
-        **profile,
-    }
-
-
-def print_profile(profile: dict[str, Any]) -> None:
-    print(f"\nwhere the time goes: {profile['jobs']} jobs drained by `python -m drain run` "
-          f"in {profile['seconds']} s ({profile['msg_per_s']} msg/s with process start-up and "
-          f"sampling), {profile['samples']} samples of the main thread (the drain loop; "
-          f"{profile['other_thread_samples']} of other threads left out), {profile['tool']}; "
-          f"stacks in {profile['collapsed_stacks']}")
-    for key, title in (("by_activity", "by activity"),
-                       ("by_drain_function", "by drain function (with the library calls it makes)"),
-                       ("own", "by own time (the sampled frame itself)"),
-                       ("cumulative", "by cumulative time (anywhere on the stack, "
-                                      "less the entry frames)")):
-        rows = profile[key]
-        w = max([len(title)] + [len(r["function"]) for r in rows])
-        print(f"\n| {title:<{w}} |      % | samples |")
-        print(f"|{'-' * (w + 2)}|{'-' * 8}|{'-' * 9}|")
-        for r in rows:
-            print(f"| {r['function']:<{w}} | {r['percent']:>6.1f} | {r['samples']:>7} |")
 
 
 # -- results ----------------------------------------------------------------------------
@@ -413,13 +221,6 @@ def print_cpu(cpu_medians: dict[str, dict[str, float]], rates: dict[str, float])
               f"{100 * c['machine_busy']:>11.0f} % |")
 
 
-def write_results(data: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{data['name']}.json"
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    return path
-
-
 def summary_rows(n: int, drain_rate: float, raw_rate: float, celery_rate: float) -> list[
         dict[str, Any]]:
     """The goal's two rows; ``met`` is None when the backlog was smaller than the goal's."""
@@ -437,6 +238,23 @@ def summary_rows(n: int, drain_rate: float, raw_rate: float, celery_rate: float)
          "measured": f"{x_celery:.1f} x ({drain_rate:,.0f} vs {celery_rate:,.0f} msg/s){size}",
          "met": (x_celery >= GOAL_X_CELERY) if at_goal_size else None},
     ]
+
+
+def app_rows(n: int, app_rates: dict[str, float], raw_rate: float) -> list[dict[str, Any]]:
+    """The --app rows: static routes have the drain's goal; a router function is reported."""
+    at_goal_size = n >= GOAL_JOBS
+    size = "" if at_goal_size else f" (at {n:,} jobs: not the goal's size)"
+    rows = []
+    for app, rate in app_rates.items():
+        static = app == "static"
+        rows.append({
+            "target": f"throughput with --app ({'static routes' if static else 'router function'})",
+            "goal": (f">= {GOAL_X_RAW} x raw pika" if static
+                     else "reported (the router runs per row)"),
+            "measured": f"{rate / raw_rate:.2f} x ({rate:,.0f} vs {raw_rate:,.0f} msg/s){size}",
+            "met": (rate / raw_rate >= GOAL_X_RAW) if static and at_goal_size else None,
+        })
+    return rows
 
 
 def print_overhead(rates: dict[str, float], drain_rate: float) -> None:
@@ -475,20 +293,25 @@ def main() -> int:
     parser.add_argument("--profile-rate", type=int, default=200, metavar="HZ",
                         help="py-spy samples per second (default 200)")
     parser.add_argument("--top", type=int, default=15, help="profile rows shown (default 15)")
+    parser.add_argument("--apps", type=parse_apps, default=list(APPS),
+                        help="drain --app rounds, routed by bench/bench_app.py's apps: "
+                        "static (mapping task_routes), function (a router function); "
+                        "'' for none (default static,function)")
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny run without the profile (checks the bench works; no "
                         "figures)")
     args = parser.parse_args()
     if args.smoke:
-        if args.profile:
-            print("--smoke: no profile round", file=sys.stderr)
-        args.jobs, args.celery_jobs, args.rounds, args.profile = 3000, 200, 1, False
-        args.more = args.more or "500x2"
+        smoke(args)
     n = args.jobs
     tag = uuid.uuid4().hex[:8]
     db = f"drain_bench_{tag}"
     url = fresh_database(db)
-    queues = {k: f"bench_{k}_{tag}" for k in ("raw", "celery", "drain")}
+    queues = {k: f"bench_{k}_{tag}" for k in ("raw", "celery", "drain", "app")}
+    # bench_app reads it when the first --app round loads it.
+    os.environ["BENCH_APP_QUEUE"] = queues["app"]
+    apps: list[str] = args.apps
+    app_times: dict[str, list[float]] = {a: [] for a in apps}
     results: dict[str, tuple[int, float]] = {}
     quoted = (args.batch_size, args.pipeline)
     sizes = list(dict.fromkeys([
@@ -547,18 +370,24 @@ def main() -> int:
                 assert published == n, (published, n)
                 drain_times[size].append(elapsed)
                 delete_queue(queues["drain"])
+            for app in apps:
+                app_times[app].append(app_round(url, n, queues["app"], app, size=quoted,
+                                                cpu_used=cpu_used))
             sweep = ", ".join(f"{w}: {n / t[-1]:.0f}" for w, t in encoded_times.items())
             print(f"round {round_ + 1}: raw {n / raw_times[-1]:.0f} msg/s, "
                   f"raw pre-encoded by window {{{sweep}}} msg/s, "
                   "drain by batch x pipeline {"
                   + ", ".join(f"{b}x{p}: {n / t[-1]:.0f}" for (b, p), t in drain_times.items())
-                  + "} msg/s", file=sys.stderr)
+                  + "} msg/s"
+                  + "".join(f", --app {a} {n / t[-1]:.0f} msg/s" for a, t in app_times.items()),
+                  file=sys.stderr)
         del messages
         results[RAW] = (n, statistics.median(raw_times))
         for window, times in encoded_times.items():
             results[f"{ENCODED}, window {window}"] = (n, statistics.median(times))
         for size, times in drain_times.items():
             results[names[size]] = (n, statistics.median(times))
+        results.update({APPS[a]: (n, statistics.median(t)) for a, t in app_times.items()})
 
         cn = min(args.celery_jobs, n)
         results[CELERY] = (cn, celery_send_task(cn, queues["celery"]))
@@ -600,6 +429,7 @@ def main() -> int:
         print_profile(profile)
 
     summary = summary_rows(n, drain_rate, ceiling, celery)
+    summary += app_rows(n, {app: rates[APPS[app]] for app in apps}, ceiling)
     path = write_results({
         "name": "throughput-smoke" if args.smoke else "throughput",
         "summary": [{**row, "met": None} for row in summary] if args.smoke else summary,
@@ -617,6 +447,7 @@ def main() -> int:
                                     for w, times in encoded_times.items()},
                 "drain": {f"{b}x{p}": [round(n / t) for t in times]
                           for (b, p), times in drain_times.items()},
+                "drain_app": {a: [round(n / t) for t in times] for a, times in app_times.items()},
             },
             "drain_x_raw": round(drain_rate / ceiling, 3),
             "ceiling": best_raw,
