@@ -10,6 +10,11 @@
 With drain upstream, every copy of a job carries the same task id, so tasks
 that must run effectively once can dedupe on ``self.request.id``.
 
+``task_routes`` sends ``search.*`` tasks to the queue in
+``CELERY_APP_SEARCH_QUEUE`` (default ``search``): ``drain run --app
+celery_app`` routes a job staged without a queue the same way, as
+``apply_async`` would (the demo does).
+
 Run workers with the prefork or threads pool (the demo and the tests use
 ``-P threads -c 1``): under a steady stream of messages, Celery 5.7's solo
 pool was seen leaving delivered messages unprocessed for ~10 s at a time.
@@ -22,6 +27,7 @@ import os
 from celery import Celery
 
 BROKER_URL = os.environ.get("DRAIN_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
+SEARCH_QUEUE = os.environ.get("CELERY_APP_SEARCH_QUEUE", "search")
 
 app = Celery("celery_app", broker=BROKER_URL, include=["celery_app.tasks"])
 app.conf.update(
@@ -31,6 +37,7 @@ app.conf.update(
     task_reject_on_worker_lost=True,
     worker_prefetch_multiplier=1,
     task_default_queue="celery",
+    task_routes={"search.*": {"queue": SEARCH_QUEUE}},
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
 )

@@ -4,10 +4,13 @@ On the local Postgres and RabbitMQ, the demo
 
 1. recreates a database ``drain_demo`` and runs ``drain migrate`` on it;
 2. starts an ordinary Celery worker (this package's app, which knows nothing
-   about drain) on the queue ``drain_demo``, and ``drain run``;
+   about drain) on the queue ``drain_demo``, and ``drain run --app
+   celery_app``: the drain routes each job as that app's ``apply_async``
+   would, here by its ``task_routes`` (``search.*`` to ``drain_demo``);
 3. stages jobs the way an application does, in the same transaction as the
-   data they are about: with :func:`drain.stage`, with a plain SQL INSERT, and
-   in a transaction that rolls back;
+   data they are about: with :func:`drain.stage` and with a plain SQL INSERT
+   (neither names a queue: the app's routes decide), in a transaction that
+   rolls back, and one job with an explicit queue;
 4. waits until the worker ran every committed job, checks that no rolled-back
    job ran, and prints what happened;
 5. stops both processes and deletes the queue. The database stays, to look at.
@@ -115,6 +118,8 @@ def child_env(url: str) -> dict[str, str]:
         DRAIN_DATABASE_URL=url,
         DRAIN_BROKER_URL=BROKER_URL,
         CELERY_APP_DATABASE_URL=url,
+        # The app routes search.* here (celery_app/app.py's task_routes).
+        CELERY_APP_SEARCH_QUEUE=QUEUE,
         PYTHONUNBUFFERED="1",
     )
     return env
@@ -225,13 +230,14 @@ def stage_jobs(conn: psycopg.Connection[Any]) -> list[StagedJob]:
     def now() -> dt.datetime:
         return dt.datetime.now(dt.timezone.utc)
 
-    # 1. The usual way: insert the row, stage its job, commit both at once.
+    # 1. The usual way: insert the row, stage its job, commit both at once. No queue:
+    #    the drain routes it as the app's apply_async would (task_routes).
     for annotation_id, text in ANNOTATIONS.items():
         with conn.transaction():
             conn.execute("INSERT INTO annotation (id, text) VALUES (%s, %s)",
                          (annotation_id, text))
             task_id = drain.stage(conn, "search.index_annotation",
-                                  kwargs={"annotation_id": annotation_id}, queue=QUEUE)
+                                  kwargs={"annotation_id": annotation_id})
         jobs.append(StagedJob(task_id, "search.index_annotation",
                               json.dumps({"annotation_id": annotation_id}), "drain.stage", now()))
 
@@ -240,9 +246,9 @@ def stage_jobs(conn: psycopg.Connection[Any]) -> list[StagedJob]:
     with conn.transaction():
         conn.execute("INSERT INTO annotation (id, text) VALUES (4, 'Staged with plain SQL.')")
         row = conn.execute(
-            "INSERT INTO staged_jobs (task_name, kwargs, queue) "
-            "VALUES ('search.index_annotation', %s, %s) RETURNING task_id",
-            (json.dumps({"annotation_id": 4}), QUEUE),
+            "INSERT INTO staged_jobs (task_name, kwargs) "
+            "VALUES ('search.index_annotation', %s) RETURNING task_id",
+            (json.dumps({"annotation_id": 4}),),
         ).fetchone()
     assert row is not None
     jobs.append(StagedJob(row[0], "search.index_annotation", json.dumps({"annotation_id": 4}),
@@ -254,7 +260,7 @@ def stage_jobs(conn: psycopg.Connection[Any]) -> list[StagedJob]:
             conn.execute("INSERT INTO annotation (id, text) VALUES (%s, 'never committed')",
                          (annotation_id,))
             task_id = drain.stage(conn, "search.index_annotation",
-                                  kwargs={"annotation_id": annotation_id}, queue=QUEUE)
+                                  kwargs={"annotation_id": annotation_id})
             jobs.append(StagedJob(task_id, "search.index_annotation",
                                   json.dumps({"annotation_id": annotation_id}), "drain.stage",
                                   None))
@@ -262,6 +268,7 @@ def stage_jobs(conn: psycopg.Connection[Any]) -> list[StagedJob]:
 
     # 4. A sentinel, committed after the rollback. Jobs are published in the order
     #    they were staged, so once the sentinel ran, a rolled-back job would have too.
+    #    Its queue is explicit (apply_async(queue=...)): the app has no route for it.
     with conn.transaction():
         task_id = drain.stage(conn, "celery_app.record", ["sentinel"], queue=QUEUE)
     jobs.append(StagedJob(task_id, "celery_app.record", json.dumps(["sentinel"]),
@@ -379,7 +386,8 @@ def run_demo(url: str, logs: Path, children: list[Child]) -> str:
         sys.executable, "-m", "celery", "-A", "celery_app", "worker", "-Q", QUEUE,
         "-P", "threads", "-c", "1", "--without-gossip", "--without-mingle", "-l", "warning",
     ], env, logs))
-    children.append(Child("drain run", [sys.executable, "-m", "drain", "run"], env, logs))
+    children.append(Child("drain run", [sys.executable, "-m", "drain", "run",
+                                        "--app", "celery_app"], env, logs))
     with psycopg.connect(url, autocommit=True) as conn:
         wait_until(worker_consuming, START_TIMEOUT, "the worker to consume", children)
         wait_until(lambda: drain_active(conn), START_TIMEOUT, "the drain to take its lock",
