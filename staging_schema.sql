@@ -41,9 +41,11 @@ CREATE TABLE IF NOT EXISTS staged_jobs (
     task_name text        NOT NULL,
     args      jsonb       NOT NULL DEFAULT '[]',
     kwargs    jsonb       NOT NULL DEFAULT '{}',
-    -- The Celery queue, published through the default exchange with this
-    -- routing key, exactly like apply_async(queue=...).
-    queue     text        NOT NULL DEFAULT 'celery',
+    -- The Celery queue, like apply_async(queue=...). NULL: none given, like
+    -- apply_async without queue=: `drain run --app` routes the job as the
+    -- app would (task_routes, the task's queue, task_default_queue); without
+    -- --app it goes to 'celery', Celery's own default.
+    queue     text,
     staged_at timestamptz NOT NULL DEFAULT now(),
 
     -- Rows that could never become a valid Celery message are refused at
@@ -180,7 +182,7 @@ CREATE OR REPLACE FUNCTION drain_stage(
     task_name  text,
     args       jsonb       DEFAULT '[]',
     kwargs     jsonb       DEFAULT '{}',
-    queue      text        DEFAULT 'celery',
+    queue      text        DEFAULT NULL,
     priority   integer     DEFAULT 0,
     tag        text        DEFAULT NULL,
     not_before timestamptz DEFAULT NULL,
@@ -212,7 +214,7 @@ CREATE TABLE IF NOT EXISTS dead_jobs (
     task_name  text        NOT NULL,
     args       jsonb       NOT NULL,
     kwargs     jsonb       NOT NULL,
-    queue      text        NOT NULL,
+    queue      text,
     priority   smallint    NOT NULL,
     tag        text,
     not_before timestamptz,
@@ -241,6 +243,45 @@ CREATE INDEX IF NOT EXISTS dead_jobs_id_idx ON dead_jobs (id);
 -- written in the same transaction as the task's own effects, so a redelivered
 -- message is recognised and skipped. Purge old rows with
 -- `drain processed purge --older-than 7d`.
+-- What `drain migrate` changed in place, for the drain to read: one row per
+-- change whose effect depends on when it was made.
+CREATE TABLE IF NOT EXISTS drain_schema_state (
+    key   text   PRIMARY KEY,
+    value bigint NOT NULL
+);
+
+-- "No queue given" (NULL) was 'celery' before: a database from then has
+-- staged_jobs.queue NOT NULL DEFAULT 'celery', and rows already staged with
+-- 'celery' may have given no queue. The upgrade is in place and only touches
+-- the catalog (no row is rewritten): the column loses its NOT NULL and its
+-- default, and queue_given_from_id records the first id staged after it, so
+-- that a 'celery' row below it is still routed as "no queue given" (as
+-- before the upgrade) and nothing already staged is re-routed. On a new
+-- database that id is 1. The brief ACCESS EXCLUSIVE lock waits for at most
+-- lock_timeout (drain migrate sets it and retries) so that the application's
+-- writers are never held up behind a long transaction.
+DO $$
+BEGIN
+    IF EXISTS (SELECT FROM pg_attribute
+               WHERE attrelid = 'staged_jobs'::regclass AND attname = 'queue'
+                 AND attnotnull) THEN
+        ALTER TABLE staged_jobs ALTER COLUMN queue DROP NOT NULL,
+                                ALTER COLUMN queue DROP DEFAULT;
+    END IF;
+    IF EXISTS (SELECT FROM pg_attribute
+               WHERE attrelid = 'dead_jobs'::regclass AND attname = 'queue'
+                 AND attnotnull) THEN
+        ALTER TABLE dead_jobs ALTER COLUMN queue DROP NOT NULL;
+    END IF;
+    IF NOT EXISTS (SELECT FROM drain_schema_state WHERE key = 'queue_given_from_id') THEN
+        -- Under the lock the ALTER took (or on a new table): no insert in flight.
+        LOCK TABLE staged_jobs IN SHARE MODE;
+        INSERT INTO drain_schema_state (key, value)
+        SELECT 'queue_given_from_id', coalesce(max(id), 0) + 1 FROM staged_jobs;
+    END IF;
+END
+$$;
+
 CREATE TABLE IF NOT EXISTS drain_processed (
     task_id      uuid        PRIMARY KEY,
     processed_at timestamptz NOT NULL DEFAULT now()

@@ -250,7 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("task", help="Celery task name, e.g. search.index_annotation")
     p.add_argument("--args", default="[]", metavar="JSON", help="positional args, a JSON array")
     p.add_argument("--kwargs", default="{}", metavar="JSON", help="keyword args, a JSON object")
-    p.add_argument("--queue", default=None, help="Celery queue (default celery)")
+    p.add_argument("--queue", default=None,
+                   help="Celery queue (default: none given: `drain run --app` routes the job "
+                   "as the app would, a drain without --app sends it to celery)")
     p.add_argument("--task-id", default=None, help="task id (default: a new UUID)")
     p.add_argument("--priority", type=options.Number(whole=True, low=-32768, high=32767),
                    default=0, help="higher first, -32768 to 32767 (default 0)")

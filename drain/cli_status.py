@@ -121,7 +121,8 @@ def _status_lines(status: dict[str, Any]) -> list[str]:
                      f"{'delayed':>8} {'oldest':>8}")
         for g in status["by_group"]:
             oldest = _age(g["oldest_age_seconds"]) if g["oldest_age_seconds"] is not None else "-"
-            lines.append(f"  {g['queue']:<20} {g['tag'] or '-':<24} {g['task']:<32} "
+            queue = g["queue"] or "(none given)"
+            lines.append(f"  {queue:<20} {g['tag'] or '-':<24} {g['task']:<32} "
                          f"{count(g['count']):>9} {count(g['delayed']):>8} {oldest:>8}")
         shown, groups = len(status["by_group"]), status["group_count"]
         if groups > shown:

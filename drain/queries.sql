@@ -87,8 +87,12 @@ SELECT EXISTS (
 -- lanes (lane = |id mod N|: every id, negative ones too, has exactly one).
 -- JSON stays text: the message body is built from it without a decode/encode
 -- round trip.
-SELECT id, task_id, task_name, args::text, kwargs::text, queue, priority, tag, expires_at,
-       not_before IS NULL AS ready
+-- A row without a queue (NULL, or 'celery' staged before that was NULL: see
+-- staging_schema.sql, queue_given_from_id) reads as 'celery', Celery's default,
+-- and as unrouted: `drain run --app` routes it as the app would.
+SELECT id, task_id, task_name, args::text, kwargs::text, coalesce(queue, 'celery') AS queue,
+       priority, tag, expires_at, not_before IS NULL AS ready,
+       queue IS NULL OR (queue = 'celery' AND id < %(queue_given_from)s::bigint) AS unrouted
 FROM (
     (SELECT s.* FROM unnest(%(priorities)s::int[], %(mark_xacts)s::bigint[],
                             %(mark_ids)s::bigint[]) AS m(p, wx, wi)
@@ -98,7 +102,7 @@ FROM (
           AND (s.xact, s.id) >= (m.wx::text::xid8, m.wi)
           AND (s.expires_at IS NULL OR s.expires_at > now())
           AND s.id <> ALL(%(exclude)s::bigint[])
-          AND s.queue <> ALL(%(paused)s::text[])
+          AND coalesce(s.queue, 'celery') <> ALL(%(paused)s::text[])
           AND (%(lanes)s::int = 1 OR abs(mod(s.id, %(lanes)s::int)) = %(lane)s::int)
         ORDER BY s.priority DESC, s.xact, s.id
         LIMIT %(limit)s) AS s)
@@ -109,7 +113,7 @@ FROM (
         WHERE s.not_before IS NULL AND s.priority > g.above AND s.priority < g.below
           AND (s.expires_at IS NULL OR s.expires_at > now())
           AND s.id <> ALL(%(exclude)s::bigint[])
-          AND s.queue <> ALL(%(paused)s::text[])
+          AND coalesce(s.queue, 'celery') <> ALL(%(paused)s::text[])
           AND (%(lanes)s::int = 1 OR abs(mod(s.id, %(lanes)s::int)) = %(lane)s::int)
         ORDER BY s.priority DESC, s.xact, s.id
         LIMIT %(limit)s) AS s)
@@ -119,7 +123,7 @@ FROM (
        AND s.not_before >= %(delayed_from)s::timestamptz
        AND (s.expires_at IS NULL OR s.expires_at > now())
        AND s.id <> ALL(%(exclude)s::bigint[])
-       AND s.queue <> ALL(%(paused)s::text[])
+       AND coalesce(s.queue, 'celery') <> ALL(%(paused)s::text[])
        AND (%(lanes)s::int = 1 OR abs(mod(s.id, %(lanes)s::int)) = %(lane)s::int)
      ORDER BY s.not_before, s.id
      LIMIT %(limit)s)
@@ -133,7 +137,7 @@ FROM (
           AND s.not_before < %(delayed_from)s::timestamptz
           AND (s.expires_at IS NULL OR s.expires_at > now())
           AND s.id <> ALL(%(exclude)s::bigint[])
-          AND s.queue <> ALL(%(paused)s::text[])
+          AND coalesce(s.queue, 'celery') <> ALL(%(paused)s::text[])
           AND (%(lanes)s::int = 1 OR abs(mod(s.id, %(lanes)s::int)) = %(lane)s::int)
         ORDER BY s.xact OFFSET 0) AS late
      ORDER BY late.not_before, late.id
@@ -141,6 +145,14 @@ FROM (
 ) AS due
 ORDER BY priority DESC, xact, id
 LIMIT %(limit)s;
+
+-- name: schema_state_present
+-- A schema from before drain_schema_state (staging_schema.sql) has none.
+SELECT to_regclass('drain_schema_state') IS NOT NULL;
+
+-- name: queue_given_from
+-- The first id staged after "no queue given" became NULL (staging_schema.sql).
+SELECT value FROM drain_schema_state WHERE key = 'queue_given_from_id';
 
 -- name: fetch_heads
 -- For drain.keyset, in the batch's own snapshot: that snapshot's xmin, and
@@ -157,7 +169,7 @@ LEFT JOIN LATERAL (
     SELECT s.xact, s.id FROM staged_jobs s
     WHERE s.not_before IS NULL AND s.priority = m.p
       AND (s.xact, s.id) >= (m.wx::text::xid8, m.wi)
-      AND s.queue <> ALL(%(paused)s::text[])
+      AND coalesce(s.queue, 'celery') <> ALL(%(paused)s::text[])
       AND (%(lanes)s::int = 1 OR abs(mod(s.id, %(lanes)s::int)) = %(lane)s::int)
     ORDER BY s.priority DESC, s.xact, s.id
     LIMIT 1) AS h ON true;

@@ -22,9 +22,10 @@ The queue a message is meant for is declared as the app declares it
 (:meth:`AppRouter.spec`): its exchange with its type, the queue with its
 arguments (``x-queue-type``, ``x-max-priority``, TTLs...), its bindings.
 
-A row whose ``queue`` is the column's default (``'celery'``) counts as "no
-queue given" and is routed like ``apply_async`` without ``queue=`` (until the
-schema can say so itself); any other queue is ``apply_async(queue=...)``.
+A row staged without a queue (``queue`` NULL, or ``'celery'`` staged before
+``drain migrate`` made "no queue given" NULL: :attr:`StagedRow.unrouted`) is
+routed like ``apply_async`` without ``queue=``; any other queue, ``'celery'``
+included, is ``apply_async(queue=...)``.
 
 Routing costs a call into Celery per row only when the app has router
 functions (which may look at the arguments); routes that are plain mappings
@@ -50,7 +51,6 @@ from drain import celery_app
 from drain.config import Settings
 from drain.message import Destination, StagedRow
 from drain.queue_declare import BindingSpec, ExchangeSpec, QueueSpec
-from drain.staging import DEFAULT_QUEUE
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,6 @@ EXEC_OPTIONS = (
     "queue", "routing_key", "exchange", "priority", "expires", "serializer",
     "delivery_mode", "compression", "time_limit", "soft_time_limit", "immediate", "mandatory",
 )
-#: A staged row with this queue (the column's default) gave none.
-UNROUTED = DEFAULT_QUEUE
 
 
 class UnknownTask(Exception):
@@ -99,7 +97,7 @@ class AppRouter:
 
     def destination(self, row: StagedRow) -> Destination:
         """Where ``apply_async`` sends this row's task (raises :class:`UnknownTask`)."""
-        queue = None if row.queue == UNROUTED else row.queue
+        queue = None if row.unrouted else row.queue
         key = (row.task_name, queue)
         if self.static:
             cached = self._cache.get(key)

@@ -33,6 +33,7 @@ from typing import Any
 
 from drain.errors import StagingError, UnsupportedConnection
 
+#: Where a job staged without a queue goes when the drain runs without ``--app``.
 DEFAULT_QUEUE = "celery"
 _COLUMNS = (
     "task_id", "task_name", "args", "kwargs", "queue", "priority", "tag", "not_before",
@@ -72,7 +73,8 @@ class _Row:
     task_name: str
     args: str
     kwargs: str
-    queue: str
+    #: None: no queue given (NULL): the drain routes it (``--app``) or sends it to celery.
+    queue: str | None
     priority: int
     tag: str | None
     not_before: dt.datetime | None
@@ -115,6 +117,10 @@ def stage(
     The drain publishes the job after that transaction commits; every copy it
     publishes carries the returned task id.
 
+    * ``queue``: the Celery queue, as ``apply_async(queue=...)``. None (the
+      default) gives none: ``drain run --app`` routes the job as the app's
+      ``apply_async`` would (``task_routes``, the task's queue, the app's
+      default queue); a drain without ``--app`` sends it to ``celery``.
     * ``priority``: higher is published first (default 0; use negative numbers
       for backfills). See ``--queue-max-priority`` for AMQP message priority.
     * ``tag``: who staged it, e.g. ``"api.create_annotation"``; sent in the
@@ -214,9 +220,9 @@ def _row(  # noqa: PLR0912 - one check per argument reads best in a row
     bad_keys = [k for k in kwargs if not isinstance(k, str)]
     if bad_keys:
         raise StagingError(f"kwargs for {task_name} must have string keys, got {bad_keys[0]!r}")
-    if queue is None:
-        queue = DEFAULT_QUEUE
-    if not isinstance(queue, str) or not 1 <= len(_text(f"queue for {task_name}", queue)) <= 255:
+    if queue is not None and (
+        not isinstance(queue, str) or not 1 <= len(_text(f"queue for {task_name}", queue)) <= 255
+    ):
         raise StagingError(f"queue for {task_name} must be a string of 1 to 255 bytes")
     if task_id is None:
         task_id = uuid.uuid4()

@@ -26,13 +26,24 @@ from psycopg.pq import TransactionStatus
 
 from drain import keyset, sql, wakeup
 from drain.config import Settings
-from drain.errors import BatchConflict, LaneConflict, ReadOnlyStandby, SchemaMissing
+from drain.errors import (
+    BatchConflict,
+    DrainError,
+    LaneConflict,
+    ReadOnlyStandby,
+    SchemaMissing,
+)
 from drain.message import StagedRow
 from drain.session import Session, rolled_back
 from drain.url_parts import first_line
 from drain.urls import scrub
 
 log = logging.getLogger(__name__)
+
+#: A schema from before "no queue given" was NULL: every 'celery' row gave none.
+EVERY_CELERY_ROW = 2**63 - 1
+#: Seconds between looks for that upgrade, on such a schema.
+MARK_RECHECK = 10.0
 
 
 class Store(Session):
@@ -48,6 +59,10 @@ class Store(Session):
         self._joined = False
         #: Connected to a hot standby: no LISTEN, no lock until it is promoted.
         self.in_recovery = False
+        #: Read at connect (:func:`queue_given_from`), and again every
+        #: MARK_RECHECK seconds while the schema is older than it.
+        self._queue_given_from = EVERY_CELERY_ROW
+        self._mark_read_at = 0.0
 
     def _prepare(self, conn: psycopg.Connection[tuple[object, ...]]) -> None:
         """Check the schema and LISTEN (SchemaMissing when it is not there)."""
@@ -68,6 +83,8 @@ class Store(Session):
         if not self.in_recovery:
             conn.execute(sql.query("listen"))
         self._wake = {"class": wakeup.WAKE_CLASS, "key": table}
+        self._queue_given_from = queue_given_from(conn)
+        self._mark_read_at = time.monotonic()
 
     def close(self) -> None:
         """Close the session; this also releases the locks and rolls back a batch."""
@@ -163,8 +180,15 @@ class Store(Session):
         """The next ``limit`` due rows, leaving out ``exclude`` (rows in flight),
         the rows of ``paused`` queues and other lanes' rows; ``plan`` says where
         each priority's scan starts (None: from the head)."""
+        if (self._queue_given_from == EVERY_CELERY_ROW
+                and time.monotonic() - self._mark_read_at > MARK_RECHECK):
+            # `drain migrate` may have upgraded the schema under this drain.
+            self._mark_read_at = time.monotonic()
+            if self._ask("schema_state_present"):
+                row = self._execute("queue_given_from").fetchone()
+                self._queue_given_from = _mark(row)
         params = fetch_params(limit, exclude=exclude, paused=paused, plan=plan,
-                              **self._lane)
+                              queue_given_from=self._queue_given_from, **self._lane)
         cur = self._execute("fetch_batch", params)
         return [StagedRow(*row) for row in cur.fetchall()]  # type: ignore[arg-type]
 
@@ -283,8 +307,13 @@ def fetch_params(
     plan: keyset.FetchPlan | None = None,
     lanes: int = 1,
     lane: int = 0,
+    queue_given_from: int = EVERY_CELERY_ROW,
 ) -> dict[str, object]:
-    """The parameters of the ``fetch_batch`` query (no plan: every priority from its head)."""
+    """The parameters of the ``fetch_batch`` query (no plan: every priority from its head).
+
+    ``queue_given_from``: a row with queue 'celery' and a smaller id gave no queue
+    (:func:`queue_given_from`).
+    """
     plan = plan or keyset.FROM_HEAD
     return {
         "limit": limit, "exclude": exclude or [], "paused": paused or [],
@@ -292,13 +321,56 @@ def fetch_params(
         "mark_ids": plan.mark_ids,
         "gap_above": plan.gap_above, "gap_below": plan.gap_below,
         "delayed_from": plan.delayed_from, "timed_xact": plan.timed_xact,
-        "lanes": lanes, "lane": lane,
+        "lanes": lanes, "lane": lane, "queue_given_from": queue_given_from,
     }
 
 
-def migrate(conn: psycopg.Connection[tuple[object, ...]]) -> None:
-    """Apply the staging schema in one transaction (idempotent)."""
-    with conn.transaction():
-        # Two migrations at once would race on CREATE ... IF NOT EXISTS.
-        conn.execute("SELECT pg_advisory_xact_lock(hashtext('drain migrate'))")
-        conn.execute(psql.SQL(sql.schema_text()))
+
+def queue_given_from(conn: psycopg.Connection[tuple[object, ...]]) -> int:
+    """The first id staged after `drain migrate` made "no queue given" NULL (see
+    staging_schema.sql); :data:`EVERY_CELERY_ROW` for a schema from before."""
+    present = conn.execute(sql.query("schema_state_present")).fetchone()
+    if not present or not present[0]:
+        return EVERY_CELERY_ROW
+    return _mark(conn.execute(sql.query("queue_given_from")).fetchone())
+
+
+def _mark(row: tuple[object, ...] | None) -> int:
+    return int(str(row[0])) if row and row[0] is not None else EVERY_CELERY_ROW
+
+
+#: `drain migrate` waits this long for each lock on a table in use, then tries again.
+MIGRATE_LOCK_TIMEOUT = 1.0
+MIGRATE_ATTEMPTS = 60
+
+
+def migrate(conn: psycopg.Connection[tuple[object, ...]], *,
+            lock_timeout: float = MIGRATE_LOCK_TIMEOUT,
+            attempts: int = MIGRATE_ATTEMPTS) -> None:
+    """Apply the staging schema in one transaction (idempotent), on a live database.
+
+    The schema's changes to a table in use (staging_schema.sql) lock it
+    briefly, and every writer queues behind a lock that is waiting. So each
+    attempt waits at most ``lock_timeout`` seconds for a lock, then rolls back
+    and tries again a moment later: the application's writers are held up for
+    at most that long, even behind a long transaction. Raises DrainError after
+    ``attempts`` tries.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            with conn.transaction():
+                # Two migrations at once would race on CREATE ... IF NOT EXISTS.
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext('drain migrate'))")
+                conn.execute(psql.SQL("SET LOCAL lock_timeout = {}").format(
+                    psql.Literal(f"{max(1, int(lock_timeout * 1000))}ms")))
+                conn.execute(psql.SQL(sql.schema_text()))
+        except psycopg.errors.LockNotAvailable:
+            log.info("drain migrate: a table is in use, trying again (%d/%d)", attempt, attempts)
+            time.sleep(min(0.05 * attempt, 0.5))
+        else:
+            return
+    raise DrainError(
+        f"drain migrate: a table stayed locked by other sessions through {attempts} tries of "
+        f"{lock_timeout:g}s each (a long transaction on staged_jobs? see pg_stat_activity); "
+        "nothing was changed, run it again"
+    )

@@ -11,6 +11,7 @@ import collections
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ from typing import Any
 
 import pika
 import psycopg
+import pytest
 
 import drain
 from drain import sql
@@ -144,6 +146,27 @@ def check_at_least_once(
 
 
 # -- postgres ----------------------------------------------------------------------
+
+
+def pgbench() -> str:
+    """pgbench (Postgres' C load client): on PATH or in Debian's versioned bin directory."""
+    found = shutil.which("pgbench")
+    if found:
+        return found
+    candidates = sorted(Path("/usr/lib/postgresql").glob("*/bin/pgbench"), reverse=True)
+    if not candidates:
+        pytest.fail("pgbench not found: it ships with Debian's postgresql packages")
+    return str(candidates[0])
+
+
+def as_before_no_queue_was_null(db_url: str) -> None:
+    """Turn a migrated database back into one from before "no queue given" was NULL
+    (staged_jobs.queue NOT NULL DEFAULT 'celery'), as a database from then is."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("ALTER TABLE staged_jobs ALTER queue SET DEFAULT 'celery', "
+                     "ALTER queue SET NOT NULL")
+        conn.execute("ALTER TABLE dead_jobs ALTER queue SET NOT NULL")
+        conn.execute("DROP TABLE drain_schema_state")
 
 
 def connect(url: str, **kwargs: Any) -> psycopg.Connection[Any]:

@@ -155,7 +155,8 @@ def _add_mapping(p: argparse.ArgumentParser, *, required: bool) -> None:
     group.add_argument("--kwargs-expr", metavar="SQL",
                        help="keyword args from a Spark SQL expression returning a struct or "
                        "map, e.g. \"named_struct('annotation_id', id)\"")
-    p.add_argument("--queue", default="celery", help="the Celery queue (default celery)")
+    p.add_argument("--queue", help="the Celery queue (default: none given, as drain.stage: "
+                   "`drain run --app` routes the jobs as the app would, else to celery)")
     p.add_argument("--priority", type=int, default=mapping_.DEFAULT_PRIORITY,
                    help=f"staged_jobs priority (default {mapping_.DEFAULT_PRIORITY}: after "
                    "the application's jobs)")

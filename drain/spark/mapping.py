@@ -76,7 +76,8 @@ class Mapping:
     #: Keyword arguments: ``(name, column)`` pairs.
     kwargs: tuple[tuple[str, str], ...] = ()
     kwargs_expr: str | None = None
-    queue: str = "celery"
+    #: None: no queue given (NULL), as drain.stage: `drain run --app` routes the jobs.
+    queue: str | None = None
     priority: int = DEFAULT_PRIORITY
     #: Spread not_before over ``[spread_start, spread_start + spread)``.
     spread: dt.timedelta | None = None
@@ -166,7 +167,8 @@ def copy_lines(jobs_df: DataFrame, mapping: Mapping) -> DataFrame:
         return F.concat(F.lit('"'), F.replace(column, F.lit('"'), F.lit('""')), F.lit('"'))
 
     head = f",{_csv(mapping.task_name)},"
-    tail = f",{_csv(mapping.queue)},{mapping.priority},{_csv(mapping.tag)},"
+    queue = "" if mapping.queue is None else _csv(mapping.queue)  # unquoted empty: NULL
+    tail = f",{queue},{mapping.priority},{_csv(mapping.tag)},"
     line = F.concat(
         F.col("task_id"), F.lit(head), quoted(F.col("args")), F.lit(","),
         quoted(F.col("kwargs")), F.lit(tail), F.coalesce(F.col("not_before"), F.lit("")),

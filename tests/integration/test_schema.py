@@ -30,6 +30,8 @@ import pytest
 
 import drain
 from drain import sql, store
+from drain.message import StagedRow
+from drain.store import EVERY_CELERY_ROW, fetch_params, migrate, queue_given_from
 from tests import support
 
 CHANNEL = "drain_staged_jobs"
@@ -207,8 +209,8 @@ def test_plain_sql_insert_gets_defaults(db_url: str) -> None:
     task_id, task_name, args, kwargs, queue, has_staged_at = rows[0]
     assert isinstance(task_id, uuid.UUID)
     assert (task_name, args, kwargs, queue, has_staged_at) == (
-        "search.index_annotation", [], {"annotation_id": 42}, "celery", True,
-    )
+        "search.index_annotation", [], {"annotation_id": 42}, None, True,
+    )  # no queue given: NULL, routed by the drain (--app) or sent to celery
     assert rows[1][0] != task_id
 
 
@@ -386,3 +388,49 @@ def test_wheel_carries_the_schema(tmp_path: Path) -> None:
     assert packaged == (support.ROOT / "staging_schema.sql").read_bytes()
     assert queries == (support.ROOT / "drain" / "queries.sql").read_bytes()
 
+
+
+# -- "no queue given" --------------------------------------------------------------------
+
+
+def _read(db_url: str) -> list[tuple[str, str, bool]]:
+    """What the drain reads of every row: (task, queue, staged without a queue)."""
+    with psycopg.connect(db_url) as conn:
+        params = fetch_params(100, queue_given_from=queue_given_from(conn))
+        rows = [StagedRow(*r) for r in conn.execute(sql.query("fetch_batch"), params)]
+    return [(r.task_name, r.queue, r.unrouted) for r in sorted(rows, key=lambda r: r.id)]
+
+
+def test_no_queue_is_null_and_an_upgraded_database_keeps_its_old_rows_routing(
+    db_url: str,
+) -> None:
+    # A new database: every row staged since the schema was applied says what it gave.
+    with psycopg.connect(db_url) as conn:
+        assert queue_given_from(conn) == 1
+    support.as_before_no_queue_was_null(db_url)
+    with psycopg.connect(db_url) as conn:
+        assert queue_given_from(conn) == EVERY_CELERY_ROW
+        conn.execute("INSERT INTO staged_jobs (task_name) VALUES ('old.default')")
+        conn.execute("INSERT INTO staged_jobs (task_name, queue) VALUES ('old.q1', 'q1')")
+    assert _read(db_url) == [("old.default", "celery", True), ("old.q1", "q1", False)]
+
+    with psycopg.connect(db_url) as conn:
+        migrate(conn)  # in place: no row rewritten
+        conn.commit()
+        assert conn.execute(
+            "SELECT attnotnull, pg_get_expr(adbin, adrelid) FROM pg_attribute "
+            "LEFT JOIN pg_attrdef ON adrelid = attrelid AND adnum = attnum "
+            "WHERE attrelid = 'staged_jobs'::regclass AND attname = 'queue'"
+        ).fetchone() == (False, None)
+        drain.stage(conn, "new.none")
+        drain.stage(conn, "new.celery", queue="celery")
+        conn.execute("INSERT INTO staged_jobs (task_name) VALUES ('new.sql')")
+        migrate(conn)  # again: the mark stays where the upgrade put it
+        assert queue_given_from(conn) == 3
+    assert _read(db_url) == [
+        ("old.default", "celery", True),  # gave no queue then: still routed as before
+        ("old.q1", "q1", False),
+        ("new.none", "celery", True),
+        ("new.celery", "celery", False),  # an explicit celery is apply_async(queue='celery')
+        ("new.sql", "celery", True),
+    ]

@@ -181,7 +181,7 @@ def test_django_atomic(django_db: str) -> None:
         raise Abort
     assert connection.vendor == "postgresql"
     assert rows(django_db, f"task_name IN ('{committed_name}', '{aborted_name}')") == [
-        (committed, committed_name, [1], {"k": "v"}, "celery"),
+        (committed, committed_name, [1], {"k": "v"}, None),
     ]
 
 
@@ -235,9 +235,10 @@ def test_stage_many_mixes_jobs_and_mappings(db_url: str) -> None:
     assert ids[1] == given
     assert rows(db_url) == [
         (ids[0], "t.job", [1, 2], {"a": 1}, "qa"),
-        (given, "t.dict", [3], {"b": 2}, "celery"),
-        (ids[2], "t.job_defaults", [], {}, "celery"),
-        (ids[3], "t.dict_defaults", [], {}, "celery"),
+        (given, "t.dict", [3], {"b": 2}, None),
+        # No queue given: NULL (the drain routes it with --app, else sends it to celery).
+        (ids[2], "t.job_defaults", [], {}, None),
+        (ids[3], "t.dict_defaults", [], {}, None),
     ]
 
 

@@ -72,7 +72,7 @@ def test_backfill_from_parquet_stages_every_record_once(
     assert (result["partitions"], result["written"], result["skipped_earlier_run"]) == (5, 5, 0)
     _assert_each_once(db_url, "backfill.reindex", list(range(1000)), "backfill.reindex")
     rows = helpers.staged(db_url)
-    assert {(r["task_name"], r["queue"], r["priority"]) for r in rows} == {(TASK, "celery", -10)}
+    assert {(r["task_name"], r["queue"], r["priority"]) for r in rows} == {(TASK, None, -10)}
     assert all(r["args"] == [] and r["not_before"] is None for r in rows)
     assert len(helpers.ledger(db_url, "backfill.reindex")) == 5
 

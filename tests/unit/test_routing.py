@@ -26,8 +26,11 @@ def app() -> Iterator[Celery]:
     built.close()
 
 
-def _row(task: str, kwargs: str = "{}", queue: str = "celery", args: str = "[]") -> StagedRow:
-    return StagedRow(1, uuid.uuid4(), task, args, kwargs, queue)
+def _row(task: str, kwargs: str = "{}", queue: str | None = None, args: str = "[]") -> StagedRow:
+    """A row as the drain reads it: without a queue, ``queue`` reads 'celery' and the row
+    is unrouted."""
+    return StagedRow(1, uuid.uuid4(), task, args, kwargs, queue or "celery",
+                     unrouted=queue is None)
 
 
 def test_routes_as_apply_async(app: Celery) -> None:

@@ -1,0 +1,94 @@
+"""`drain migrate` upgrades a live database in place: "no queue given" becomes NULL.
+
+A database from before (``staged_jobs.queue NOT NULL DEFAULT 'celery'``) is
+written to by pgbench (4 clients, a job per transaction, no queue given) while
+``drain run --app tests.routing_app`` drains it; `drain migrate` runs in the
+middle of it. Every job, staged before the upgrade ('celery', the old default)
+or after it (NULL), must reach the queue the app routes it to, once: nothing
+lost, nothing duplicated, nothing re-routed (to a queue called celery).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests import routing_app, support
+
+RATE = 300  # jobs per second, in all
+SECONDS = 12
+
+
+@pytest.fixture
+def suffix() -> Iterator[str]:
+    value = uuid.uuid4().hex[:10]
+    yield value
+    with support.broker_channel() as ch:
+        for role, name in routing_app.names(value).items():
+            if role != "topic":
+                ch.queue_delete(name)
+            ch.exchange_delete(name)
+
+
+def test_migrate_under_load_keeps_every_staged_job_and_its_route(
+    db_url: str, suffix: str, spawn: Any, tmp_path: Path
+) -> None:
+    support.as_before_no_queue_was_null(db_url)
+    env = support.drain_env(db_url, ROUTING_APP_SUFFIX=suffix)
+    spawn(support.drain_argv("run", "--app", "tests.routing_app", "--poll-interval", "0.2"),
+          env, "drain")
+    script = tmp_path / "stage.sql"
+    # No queue given: task_default_queue routes orders.process without vip.
+    script.write_text("INSERT INTO staged_jobs (task_name, kwargs) "
+                      "VALUES ('orders.process', '{\"vip\": false}');\n")
+    writers = subprocess.Popen(
+        [support.pgbench(), "-n", "-c", "4", "-j", "2", "-R", str(RATE), "-T", str(SECONDS),
+         "-f", str(script), db_url],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+    )
+    default = routing_app.names(suffix)["default"]
+    try:
+        support.wait_for(lambda: support.queue_depth(default) >= 200 or writers.poll() is not None,
+                         30, "jobs staged before the upgrade to be delivered")
+        started = time.monotonic()
+        migrated = support.run_cli(db_url, "migrate", env=env)
+        took = time.monotonic() - started
+        assert migrated.returncode == 0, migrated.stderr
+        out, _ = writers.communicate(timeout=SECONDS + 60)
+    finally:
+        if writers.poll() is None:
+            writers.kill()
+            writers.wait(10)
+    assert writers.returncode == 0, out
+    match = re.search(r"number of transactions actually processed: (\d+)", out)
+    assert match, out
+    jobs = int(match.group(1))
+    latency = re.search(r"latency average = ([0-9.]+) ms", out)
+
+    with psycopg.connect(db_url) as conn:
+        mark = conn.execute("SELECT value FROM drain_schema_state "
+                            "WHERE key = 'queue_given_from_id'").fetchone()
+        nullable = conn.execute("SELECT NOT attnotnull FROM pg_attribute WHERE attrelid = "
+                                "'staged_jobs'::regclass AND attname = 'queue'").fetchone()
+    assert nullable == (True,)
+    assert mark is not None
+    before = mark[0] - 1  # ids 1..before were staged before the upgrade ('celery')
+    assert 0 < before < jobs, (before, jobs)
+
+    support.wait_for(lambda: support.staged_count(db_url) == 0, 60, "the backlog to drain")
+    messages = support.drain_queue(default)
+    ids = support.task_ids(messages)
+    print(f"{jobs} jobs ({before} before the upgrade), migrate took {took:.2f}s, writers' "
+          f"latency average {latency.group(1) if latency else '?'} ms")
+    assert len(ids) == jobs, f"{len(ids)} messages for {jobs} jobs"
+    assert len(set(ids)) == jobs, "a job was published twice"
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT count(*) FROM dead_jobs").fetchone() == (0,)
