@@ -10,6 +10,10 @@ pika callback that changes what is being waited for calls
 pika's errors into one short line with no secrets in it, telling a refusal
 (login, vhost) from a network problem.
 
+Given a :class:`drain.broker_list.BrokerList` (a failover list), ``connect``
+tries its brokers in the list's order (one pass, see drain.broker_list) and
+stays with the first that lets it in; every message then names that broker.
+
 What goes over the channel is the subclass's business:
 :class:`drain.publisher.Publisher` puts it in confirm mode and publishes.
 """
@@ -25,6 +29,7 @@ import pika
 import pika.exceptions
 from pika.adapters.select_connection import SelectConnection
 
+from drain.broker_list import Broker, BrokerList
 from drain.errors import BrokerRefused, BrokerUnavailable
 from drain.urls import scrub
 
@@ -34,19 +39,26 @@ log = logging.getLogger("drain.publisher")
 
 
 class AmqpLink:
-    """One AMQP connection and one channel, opened and turned on demand."""
+    """One AMQP connection and one channel, opened and turned on demand.
+
+    ``parameters`` are one broker's (shown as ``display_url``), or a list of
+    brokers to fail over between (each shown as its masked URL).
+    """
 
     def __init__(
         self,
-        parameters: pika.ConnectionParameters,
+        parameters: pika.ConnectionParameters | BrokerList,
         *,
         display_url: str,
         connect_timeout: float = 10.0,
         secrets: list[str] | None = None,
     ) -> None:
-        self._parameters = parameters
-        self._secrets = secrets or []
-        self._display_url = display_url
+        #: The brokers this link connects to (drain.broker_list).
+        self.brokers = (parameters if isinstance(parameters, BrokerList)
+                        else BrokerList.single(parameters, display_url))
+        self._parameters = self.brokers.current.parameters
+        self._secrets = [*(secrets or []), *self.brokers.secrets]
+        self._display_url = self.brokers.current.shown
         self._connect_timeout = connect_timeout
         self._conn: SelectConnection | None = None
         self._channel: Any = None
@@ -64,9 +76,51 @@ class AmqpLink:
     def connected(self) -> bool:
         return self._conn is not None and self._ready and self._failure is None
 
+    @property
+    def broker(self) -> str:
+        """The masked URL of the broker connected to (or tried last)."""
+        return self._display_url
+
     def connect(self) -> None:
-        """Open the connection and a ready channel, or raise BrokerUnavailable."""
+        """Open the connection and a ready channel to a broker of the list, or raise
+        BrokerUnavailable (BrokerRefused when every broker refused the login).
+
+        One pass over the list (drain.broker_list says in which order), without
+        waiting between brokers: the first that lets us in is used.
+        """
+        failures: list[BrokerUnavailable] = []
+        for broker in self.brokers.attempts():
+            try:
+                self._connect_to(broker)
+            except BrokerUnavailable as exc:
+                self.brokers.failed(broker)
+                failures.append(exc)
+                continue
+            self.brokers.connected(broker)
+            self._say_connected(broker, failures)
+            return
+        if len(failures) == 1:
+            raise failures[0]
+        text = f"all {len(failures)} brokers failed: " + "; ".join(map(str, failures))
+        if all(isinstance(exc, BrokerRefused) for exc in failures):
+            raise BrokerRefused(text)
+        raise BrokerUnavailable(text)
+
+    def _say_connected(self, broker: Broker, failures: list[BrokerUnavailable]) -> None:
+        n = len(self.brokers)
+        if n == 1:
+            return  # the drain says "broker connected"; the start-up line named it
+        if failures:
+            log.warning("%s; failed over to broker at %s (%d of %d)",
+                        "; ".join(map(str, failures)), broker.shown, broker.position, n)
+        else:
+            log.info("connected to broker at %s (%d of %d)", broker.shown, broker.position, n)
+
+    def _connect_to(self, broker: Broker) -> None:
+        """Open the connection and a ready channel to one broker, or raise BrokerUnavailable."""
         self.close()
+        self._parameters = broker.parameters
+        self._display_url = broker.shown
         self._ready = False
         self._failure = None
         self._refused = False
@@ -83,9 +137,9 @@ class AmqpLink:
             self._conn.add_on_connection_unblocked_callback(self._on_unblocked)
         except Exception as exc:
             raise BrokerUnavailable(f"broker at {self._display_url}: {self._text(exc)}") from None
-        finished = self._run_until(
-            lambda: self._ready or self._failure is not None, self._connect_timeout
-        )
+        # pika gives up after its stack timeout (broker_connection_timeout); wait as long.
+        limit = max(self._connect_timeout, self._parameters.stack_timeout or 0.0)
+        finished = self._run_until(lambda: self._ready or self._failure is not None, limit)
         if not self._ready:
             reason = self._failure or ("timed out" if not finished else "closed")
             refused = self._refused

@@ -71,10 +71,17 @@ def _add_run_parser(sub: Any) -> None:
     add_database(p)
     p.add_argument(
         "--broker-url",
-        default=env("DRAIN_BROKER_URL", config.DEFAULT_BROKER_URL),
+        # None when neither is given: then the app's URL (--app), else the default.
+        default=env("DRAIN_BROKER_URL"),
         metavar="URL",
         help="RabbitMQ URL, Celery style: amqp://user:pass@host:5672// ('//' is the vhost "
-        f"'/') (env DRAIN_BROKER_URL, default {config.DEFAULT_BROKER_URL})",
+        "'/'), or a failover list of them separated by ';' as in Celery's broker_url "
+        "(quote it in a shell): the drain connects to the first that answers and, when the "
+        "one in use fails, to the next (round-robin; with --app, as the app's "
+        "broker_failover_strategy says). Given, it wins over the app's broker_url and "
+        "broker_write_url; the app's broker_use_ssl, broker_login_method, broker_heartbeat "
+        "and broker_connection_timeout apply either way (env DRAIN_BROKER_URL; default: "
+        f"with --app the app's broker URL, else {config.DEFAULT_BROKER_URL})",
     )
     options.add(
         p, "--batch-size", env="DRAIN_BATCH_SIZE", default=config.DEFAULT_BATCH_SIZE,
@@ -196,7 +203,8 @@ def _add_run_parser(sub: Any) -> None:
         "apply_async would use (task_routes, task_queues, the task's own options), with "
         "the task's time limits and priority, and queues are declared as the app "
         "declares them; jobs of tasks it does not register go to dead_jobs "
-        "('unknown_task') (env DRAIN_CELERY_APP; default: none, every job goes to its "
+        "('unknown_task'); its broker settings apply too (see --broker-url) "
+        "(env DRAIN_CELERY_APP; default: none, every job goes to its "
         "own queue through the default exchange)",
     )
     p.add_argument(

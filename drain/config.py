@@ -5,7 +5,8 @@ from command-line flags, falling back to ``DRAIN_*`` environment variables,
 falling back to defaults; the database URL may be empty, in which case libpq's
 own ``PG*`` variables (``PGHOST``, ``PGDATABASE``...) apply.
 
-URLs are read, checked and masked by :mod:`drain.urls`.
+URLs are read, checked and masked by :mod:`drain.urls`; which brokers the
+drain connects to, and how, is :mod:`drain.broker_list`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ import math
 from typing import Any
 
 from drain.errors import ConfigError
-from drain.urls import broker_parameters, database_conninfo, mask_database_url, mask_url, secrets_of
+from drain.urls import (
+    broker_list_parameters,
+    database_conninfo,
+    mask_database_url,
+    mask_url,
+    secrets_of,
+)
 
 DEFAULT_BROKER_URL = "amqp://guest:guest@127.0.0.1:5672//"
 #: An arbitrary fixed key (``hash('drain')`` truncated), overridable per deployment.
@@ -38,7 +45,11 @@ class Settings:
     """
 
     database_url: str = ""
-    broker_url: str = DEFAULT_BROKER_URL
+    #: The broker URL, or a ``;``-separated failover list of them (drain.broker_list),
+    #: as given (``--broker-url``, ``DRAIN_BROKER_URL``). None: not given; with
+    #: ``celery_app``, the app's broker_write_url or broker_url, else
+    #: :data:`DEFAULT_BROKER_URL`.
+    broker_url: str | None = None
     #: Rows fetched, published and deleted per transaction.
     batch_size: int = DEFAULT_BATCH_SIZE
     #: Batches in flight at once: while the broker confirms the oldest, the
@@ -136,9 +147,13 @@ class Settings:
                     f"{what} must be {' or '.join(repr(a) for a in allowed)}, got {choice!r}"
                 )
         self._check_app()
-        # Parse both URLs now so that a malformed one fails at start, not later.
+        self._check_urls()
+
+    def _check_urls(self) -> None:
+        """Parse the URLs now so that a malformed one fails at start, not later."""
         database_conninfo(self.database_url)
-        broker_parameters(self.broker_url)
+        if self.broker_url is not None:
+            broker_list_parameters(self.broker_url)
 
     def _check_app(self) -> None:
         if self.celery_app and self.queue_max_priority:
@@ -158,14 +173,14 @@ class Settings:
         if name == "database_url":
             return mask_database_url(value)
         if name == "broker_url":
-            return mask_url(value)
+            return None if value is None else mask_url(value)
         return value
 
     def describe(self) -> str:
         """One line for the start-up log, passwords masked."""
         return (
             f"database={mask_database_url(self.database_url)} "
-            f"broker={mask_url(self.broker_url)} batch_size={self.batch_size} "
+            f"broker={self._broker_shown()} batch_size={self.batch_size} "
             f"pipeline={self.pipeline} poll_interval={self.poll_interval}s "
             f"db_timeout={self.db_timeout:g}s "
             f"lock_key={self.lock_key} "
@@ -175,7 +190,12 @@ class Settings:
             + (f" app={self.celery_app}" if self.celery_app else "")
         )
 
+    def _broker_shown(self) -> str:
+        if self.broker_url is not None:
+            return mask_url(self.broker_url)
+        return "<the app's>" if self.celery_app else mask_url(DEFAULT_BROKER_URL)
+
     def secrets(self) -> list[str]:
         """The passwords that :func:`scrub` replaces wherever they appear (see
         :func:`secrets_of`: not the short ones, nor those the masked URLs show)."""
-        return secrets_of(self.database_url, self.broker_url)
+        return secrets_of(self.database_url, self.broker_url or "")

@@ -51,6 +51,7 @@ from typing import Any
 import pika
 
 from drain.amqp import EncodedProperties
+from drain.broker_list import BrokerList
 from drain.errors import BrokerBlocked, BrokerUnavailable, QueueDeclareRefused
 from drain.message import Message
 from drain.queue_declare import QueueDeclaringLink, QueueSpec
@@ -135,7 +136,7 @@ class Publisher(QueueDeclaringLink):
 
     def __init__(
         self,
-        parameters: pika.ConnectionParameters,
+        parameters: pika.ConnectionParameters | BrokerList,
         *,
         display_url: str,
         declare: str = "celery",

@@ -26,6 +26,7 @@ from typing import Any
 import pika
 
 from drain.amqp_link import AmqpLink
+from drain.broker_list import BrokerList
 from drain.errors import BrokerBlocked, BrokerUnavailable
 
 
@@ -76,7 +77,7 @@ class QueueDeclaringLink(AmqpLink):
 
     def __init__(
         self,
-        parameters: pika.ConnectionParameters,
+        parameters: pika.ConnectionParameters | BrokerList,
         *,
         display_url: str,
         declare: str = "celery",

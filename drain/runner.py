@@ -36,7 +36,7 @@ from types import FrameType
 
 import tenacity
 
-from drain import keyset, reachable, routing, wakeup
+from drain import broker_list, celery_app, keyset, reachable, routing, wakeup
 from drain.config import Settings
 from drain.errors import (
     BatchConflict,
@@ -52,7 +52,7 @@ from drain.metrics import Metrics
 from drain.pipeline import Pipeline
 from drain.publisher import Publisher
 from drain.store import Store
-from drain.urls import broker_parameters, mask_url, scrub
+from drain.urls import scrub
 from drain.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -102,18 +102,20 @@ class Drain:
         self._secrets = settings.secrets()
         self._store = Store(settings)
         self._wakeup = wakeup.Wakeup(self._store, lanes=settings.lanes)
-        broker = broker_parameters(settings.broker_url)
+        #: The user's Celery app's routing, with --app (drain.routing).
+        self.router = routing.of_settings(settings)
+        #: The brokers, in failover order: the app's with --app and no --broker-url.
+        self.brokers = broker_list.of_settings(
+            settings, celery_app.broker_settings(self.router.app) if self.router else None)
         #: Where to knock while waiting to reconnect (drain.reachable), resolved
         #: when an outage begins.
         self._knock: dict[str, Callable[[], list[reachable.Address]]] = {
             "database": functools.partial(reachable.addresses, settings.database_url),
-            "broker": functools.partial(reachable.tcp_addresses, broker.host, broker.port),
+            "broker": self.brokers.addresses,
         }
-        #: The user's Celery app's routing, with --app (drain.routing).
-        self.router = routing.of_settings(settings)
         self._publisher = Publisher(
-            broker,
-            display_url=mask_url(settings.broker_url),
+            self.brokers,
+            display_url=self.brokers.current.shown,
             declare=settings.queue_declare,
             confirm_timeout=settings.confirm_timeout,
             secrets=self._secrets,

@@ -47,6 +47,16 @@ appear, those of :data:`SCRUB_MIN_LENGTH` characters or more and not part of
 the URL's readable parts (a password equal to the user name stays, as the user
 name does). A shorter one is left to the structural masking: replacing it
 would mangle the text, and reveal it.
+
+Broker lists
+------------
+A broker URL may be a failover list, as Celery's ``broker_url`` takes it:
+URLs separated by ``;`` (spaces around each are ignored here; kombu does
+not ignore them). kombu splits at every ``;`` before it reads a URL, so a
+``;`` in a password must be percent-escaped as ``%3B``. Each URL of a list is
+checked, shown and masked on its own (:func:`broker_list_parameters`,
+:func:`mask_url`), and an error names the URL by its position ("broker URL 2
+of 3"). Which of them the drain connects to, and when, is drain.broker_list's.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ import logging
 import re
 import socket
 import ssl
+from collections.abc import Callable, Sequence
 from urllib.parse import unquote, urlsplit
 
 import pika
@@ -164,6 +175,61 @@ def _split_host(scheme: str, rest: str, secrets: list[str]) -> _HostPart:
         raise Malformed(reason, secrets) from None
 
 
+# -- broker lists (Celery's failover syntax) -----------------------------------------
+
+#: What separates the URLs of a broker list, with the spaces around it.
+_LIST_SEPARATOR = re.compile(r"\s*;\s*")
+#: In free text: a ``;`` that starts the next URL of a list.
+_NEXT_URL = re.compile(r";(?=[A-Za-z][A-Za-z0-9+.-]*://)")
+
+
+def broker_list(text: str | Sequence[str]) -> list[str]:
+    """The URLs of a broker list, in order: a ``;``-separated string as Celery's
+    ``broker_url`` takes it (spaces around each URL are ignored), or a sequence.
+
+    A single URL is a list of one. An empty URL in a longer list (a stray ``;``)
+    raises :class:`ConfigError` naming its position.
+    """
+    if isinstance(text, str):
+        entries = _LIST_SEPARATOR.split(text.strip())
+    else:
+        entries = [str(url).strip() for url in text]
+    if not entries:
+        raise ConfigError("the broker list is empty")
+    if len(entries) > 1:
+        for position, url in enumerate(entries, 1):
+            if not url:
+                raise ConfigError(f"broker URL {position} of {len(entries)} in the list is "
+                                  "empty (a stray ';'?)")
+    return entries
+
+
+def broker_list_parameters(
+    text: str | Sequence[str], *, heartbeat: int = 30, tls: ssl.SSLContext | None = None,
+    server_hostname: str | None = None,
+) -> list[tuple[str, pika.ConnectionParameters]]:
+    """:func:`broker_parameters` of every URL of a broker list, each with its masked URL.
+
+    A URL that is refused raises :class:`ConfigError` naming its position in the
+    list ("broker URL 2 of 3: ..."), with the same text as a single URL's error
+    (shown masked only if it could be cut, see the module's docstring).
+    """
+    entries = broker_list(text)
+    found = []
+    for position, url in enumerate(entries, 1):
+        try:
+            parameters = broker_parameters(url, heartbeat=heartbeat, tls=tls,
+                                           server_hostname=server_hostname)
+        except ConfigError as exc:
+            if len(entries) == 1:
+                raise
+            hint = ("; ';' separates the URLs of a broker list, so a ';' in a password must "
+                    "be percent-escaped as %3B") if str(exc).startswith("malformed") else ""
+            raise ConfigError(f"broker URL {position} of {len(entries)}: {exc}{hint}") from None
+        found.append((mask_url(url), parameters))
+    return found
+
+
 
 # -- what the rest of drain uses -----------------------------------------------------
 
@@ -172,7 +238,15 @@ def mask_url(url: str) -> str:
     """``scheme://user:secret@host/x`` -> ``scheme://user:***@host/x``, cut as kombu does.
 
     A URL that cannot be cut (see the module's docstring) is not shown at all.
+    A broker list is masked URL by URL, its separators kept.
     """
+    if ";" in url:
+        parts = re.split(r"(\s*;\s*)", url)
+        return "".join(part if i % 2 else _mask_one(part) for i, part in enumerate(parts))
+    return _mask_one(url)
+
+
+def _mask_one(url: str) -> str:
     try:
         return _cut_broker(url).cut.masked()
     except Malformed:
@@ -199,7 +273,11 @@ def secrets_of(database_url: str = "", broker_url: str = "") -> list[str]:
     """
     found: list[str] = []
     shown: list[str] = []
-    cutters = ((cut_database, database_url), (lambda u: _cut_broker(u).cut, broker_url))
+    cutters: list[tuple[Callable[[str], Cut], str]] = [(cut_database, database_url)]
+    # Each URL of a broker list, and the whole text: a ';' may be in a password.
+    if ";" in broker_url:
+        cutters += [(_broker_cut, url) for url in _LIST_SEPARATOR.split(broker_url.strip())]
+    cutters.append((_broker_cut, broker_url))
     for cutter, url in cutters:
         if not url:
             continue
@@ -219,6 +297,10 @@ def secrets_of(database_url: str = "", broker_url: str = "") -> list[str]:
             if len(s) >= SCRUB_MIN_LENGTH and not any(s in text for text in shown)]
 
 
+def _broker_cut(url: str) -> Cut:
+    return _cut_broker(url).cut
+
+
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s<>]*")
 #: ``password=`` and the like in free text: a value masked already (left as it
 #: is, so as not to swallow what follows it), a quoted one, or a bare word.
@@ -230,7 +312,10 @@ _SECRET_IN_TEXT = re.compile(
 
 def _mask_loose(url: str) -> str:
     """A URL found in free text, masked as its reader cuts it if it can be cut so;
-    otherwise its password runs from the first ':' to the last '@'."""
+    otherwise its password runs from the first ':' to the last '@'. A broker list
+    is masked URL by URL."""
+    if _NEXT_URL.search(url):
+        return ";".join(_mask_loose(part) for part in _NEXT_URL.split(url))
     with contextlib.suppress(Malformed):
         if url.startswith(DATABASE_SCHEMES):
             return cut_database(url).masked()
@@ -284,7 +369,8 @@ def database_conninfo(dsn: str) -> str:
 
 
 def broker_parameters(
-    url: str, *, heartbeat: int = 30, blocked_connection_timeout: float | None = None
+    url: str, *, heartbeat: int = 30, blocked_connection_timeout: float | None = None,
+    tls: ssl.SSLContext | None = None, server_hostname: str | None = None,
 ) -> pika.ConnectionParameters:
     """Build pika parameters from a Celery-style broker URL.
 
@@ -296,7 +382,10 @@ def broker_parameters(
     Celery users paste ``amqp://guest:guest@host:5672//``: the path after the
     first slash is the vhost, so ``//`` means the vhost ``/`` and an empty path
     means ``/`` too; ``%2F`` spellings work as well. ``amqps://`` uses TLS with
-    the system's trust store. pika's own ``URLParameters`` reads ``//``
+    the system's trust store, ``tls`` (Celery's ``broker_use_ssl``, see
+    drain.broker_options) TLS with that context whatever the scheme, checking
+    the certificate against ``server_hostname`` (default: the URL's host); with
+    TLS the default port is 5671. pika's own ``URLParameters`` reads ``//``
     differently, which is why this parser exists. The user name and password
     are cut as kombu cuts them (up to the authority's last ``@``); a URL that
     cannot be cut so raises :class:`ConfigError` naming what is wrong, and only
@@ -315,7 +404,8 @@ def broker_parameters(
         raise ConfigError(
             f"broker URL {shown.split('?', 1)[0]}?...: query parameters are not supported"
         )
-    tls = parts.scheme == "amqps"
+    if tls is None and parts.scheme == "amqps":
+        tls = ssl.create_default_context()
     path = parts.path[1:] if parts.path.startswith("/") else parts.path
     vhost = unquote(path) if path else "/"
     credentials = pika.PlainCredentials(
@@ -324,7 +414,7 @@ def broker_parameters(
     )
     return pika.ConnectionParameters(
         host=parts.hostname,
-        port=parts.port or (5671 if tls else 5672),
+        port=parts.port or (5671 if tls is not None else 5672),
         virtual_host=vhost,
         credentials=credentials,
         heartbeat=heartbeat,
@@ -333,5 +423,6 @@ def broker_parameters(
         socket_timeout=5,
         stack_timeout=10,
         client_properties={"connection_name": f"drain@{socket.gethostname()}"},
-        ssl_options=pika.SSLOptions(ssl.create_default_context(), parts.hostname) if tls else None,
+        ssl_options=(pika.SSLOptions(tls, server_hostname or parts.hostname)
+                     if tls is not None else None),
     )
