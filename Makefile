@@ -13,7 +13,11 @@
 #                   bench-priority (starvation); each writes bench/results/<name>.json
 #   make bench-profile  the throughput bench plus one drain round under py-spy: where the
 #                   time goes (py-spy)
-#   make bench-spark  drain backfill on local Spark vs write.jdbc vs INSERT ... SELECT (1M rows)
+#   make bench-spark  drain backfill vs write.jdbc vs INSERT ... SELECT at 1M and 10M rows, on
+#                   local[*] and a 2-worker standalone cluster it starts; an executor killed
+#                   mid-backfill; a 10M-row reconcile --stage (BENCH_SPARK_ARGS="--rows 1000000"
+#                   for less; writes bench/results/spark.json); then what a resume of one
+#                   missing partition costs (bench/bench_spark_resume.py)
 #   make bench-smoke  every benchmark's --smoke mode, one after another: tiny sizes, seconds
 #                   each, no figures; checks they still work (make test runs them too, in
 #                   tests/bench); each writes bench/results/<name>-smoke.json
@@ -131,8 +135,11 @@ bench-priority: services bench-deps
 bench-profile: services bench-deps
 	$(BIN)/python bench/bench_throughput.py --profile
 
+BENCH_SPARK_ARGS ?=
+
 bench-spark: services venv
-	$(BIN)/python bench/bench_spark.py
+	$(BIN)/python bench/bench_spark.py $(BENCH_SPARK_ARGS)
+	$(BIN)/python bench/bench_spark_resume.py
 
 # Every bench's --smoke mode (what tests/bench/test_smoke.py runs), one at a time; a
 # failing one does not stop the others, and makes the target fail at the end.

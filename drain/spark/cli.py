@@ -85,6 +85,10 @@ def add_parsers(sub: Any) -> None:
                    help="the downstream's view, e.g. table:search_index or parquet:/exports/ix")
     p.add_argument("--downstream-url", metavar="URL",
                    help="Postgres URL of a table:/query: downstream (default --database-url)")
+    p.add_argument("--downstream-partition-column", metavar="COLUMN",
+                   help="read a table:/query: downstream in parallel, split on this numeric "
+                   "column (as --partition-column does for the source; --read-partitions "
+                   "applies to both)")
     p.add_argument("--id-column", default="id", help="the source's id column (default id)")
     p.add_argument("--version-column", metavar="COLUMN",
                    help="the source's version or updated-at column (without it, only "
@@ -302,8 +306,9 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
         truth = _read(spark, args)
         downstream_url = (args.downstream_url if args.downstream_url is not None
                           else args.database_url)
-        downstream = sources.read(spark, args.downstream,
-                                  sources.JdbcOptions(database_url=downstream_url))
+        downstream = sources.read(spark, args.downstream, sources.JdbcOptions(
+            database_url=downstream_url, partition_column=args.downstream_partition_column,
+            num_partitions=args.read_partitions))
         # Cached: the report and the staged repairs come from the same comparison.
         compared = reconcile.compare(truth, downstream, sides).persist(
             StorageLevel.MEMORY_AND_DISK

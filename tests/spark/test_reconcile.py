@@ -88,6 +88,14 @@ def test_report_names_missing_stale_and_extra_ids(
     assert json.loads(report_file.read_text()) == report
     assert helpers.staged(db_url) == []  # a report only
 
+    # Both sides read in parallel, split on their ids: the same report.
+    split = helpers.run_json(capsys, *_reconcile_argv(
+        db_url, "--partition-column", "id", "--downstream-partition-column", "annotation_id",
+        "--read-partitions", "3"))
+    assert _counts(split) == _counts(report)
+    assert [split[k]["sample"] for k in ("missing", "stale", "extra")] == [
+        report[k]["sample"] for k in ("missing", "stale", "extra")]
+
     code, out, _ = helpers.run(capsys, *_reconcile_argv(db_url, "--sample", "2"))
     assert code == 0
     assert out.splitlines() == [

@@ -8,7 +8,7 @@ are two hosts, as speculative execution needs (it never runs a task's copy on
 a host that already runs that task). Every
 JVM runs in its own process group, so that stopping (or killing) a worker
 takes its executors and their Python workers with it. Used by the
-``spark_cluster`` tests and by ``bench/bench_spark.py --cluster``.
+``spark_cluster`` tests and by ``bench/bench_spark.py --masters cluster``.
 """
 
 from __future__ import annotations
