@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from drain.errors import StagingError, UnsupportedConnection
+from drain.signatures import from_signature
 
 #: Where a job staged without a queue goes when the drain runs without ``--app``.
 DEFAULT_QUEUE = "celery"
@@ -99,7 +100,7 @@ class _Row:
 
 def stage(
     conn: Any,
-    task_name: str,
+    task_name: str | Mapping[str, Any],
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
     *,
@@ -133,7 +134,18 @@ def stage(
       carries Celery's ``expires`` too, so a worker will not run it late.
 
     ``countdown`` and relative ``expires`` are measured on this process's clock.
+
+    ``task_name`` may also be a Celery signature (``add.s(2, 2).set(queue=...,
+    countdown=...)``): its task, args, kwargs and options, as ``apply_async``
+    of it would send them (:func:`from_signature`); the other arguments must
+    then be left out.
     """
+    if isinstance(task_name, Mapping):
+        if (args, kwargs, queue, task_id, priority, tag, countdown, eta, expires) != (
+                (), None, None, None, 0, None, None, None, None):
+            raise StagingError("give a signature its options with .set(...): "
+                               "drain.stage(conn, signature) takes nothing else")
+        return stage(conn, **from_signature(task_name))
     row = _row(
         task_name, args, kwargs, queue, task_id,
         priority=priority, tag=tag, countdown=countdown, eta=eta, expires=expires,

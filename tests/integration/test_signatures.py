@@ -1,0 +1,119 @@
+"""Staging Celery signatures (``drain.stage(conn, sig)``) and ``task.stage(conn, ...)``."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from celery import Celery, chain, group
+
+import drain
+from drain.celery_task import StagingTask
+
+
+@pytest.fixture
+def app() -> Iterator[Celery]:
+    built = Celery("signatures_test", set_as_current=False,
+                   task_cls="drain.celery_task:StagingTask")
+
+    @built.task(name="t.add", shared=False)
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    @built.task(name="t.bound", bind=True, shared=False)
+    def bound(self: Any, user_id: int, *, welcome: bool = True) -> None:
+        return None
+
+    @built.task(name="t.loose", typing=False, shared=False)
+    def loose(x: int) -> int:
+        return x
+
+    yield built
+    built.close()
+
+
+def _rows(db_url: str) -> list[dict[str, Any]]:
+    with psycopg.connect(db_url) as conn:
+        cur = conn.execute("SELECT task_id, task_name, args, kwargs, queue, priority, "
+                           "not_before, expires_at FROM staged_jobs ORDER BY id")
+        names = [c.name for c in cur.description or ()]
+        return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+
+
+def test_a_signature_stages_as_its_apply_async_would_send_it(db_url: str, app: Celery) -> None:
+    given = uuid.uuid4()
+    eta = dt.datetime(2030, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
+    with psycopg.connect(db_url) as conn:
+        first = drain.stage(conn, app.tasks["t.add"].s(2, 3).set(
+            queue="math", countdown=60, priority=3, expires=3600))
+        second = drain.stage(conn, app.tasks["t.add"].s(y=4, x=1).set(task_id=str(given),
+                                                                        eta=eta.isoformat()))
+    assert second == given
+    rows = _rows(db_url)
+    assert [(r["task_id"], r["task_name"], r["args"], r["kwargs"], r["queue"], r["priority"])
+            for r in rows] == [(first, "t.add", [2, 3], {}, "math", 3),
+                               (given, "t.add", [], {"y": 4, "x": 1}, None, 0)]
+    now = dt.datetime.now(dt.timezone.utc)
+    assert dt.timedelta(seconds=50) < rows[0]["not_before"] - now <= dt.timedelta(seconds=60)
+    assert dt.timedelta(minutes=59) < rows[0]["expires_at"] - now <= dt.timedelta(hours=1)
+    assert rows[1]["not_before"] == eta
+
+
+@pytest.mark.parametrize(("build", "says"), [
+    (lambda t: chain(t.s(1, 2), t.s(3)), "a chain cannot be staged yet"),
+    (lambda t: group(t.s(1, 2), t.s(3, 4)), "a group cannot be staged yet"),
+    (lambda t: t.s(1, 2).set(link=t.s(9)), "link callbacks cannot be staged yet"),
+    (lambda t: t.s(1, 2).set(link_error=t.s(9)), "link_error callbacks cannot be staged"),
+    (lambda t: t.s(1, 2).set(routing_key="x"), "option(s) ['routing_key'] cannot be staged"),
+], ids=["chain", "group", "link", "link_error", "routing_key"])
+def test_what_cannot_be_staged_yet_is_refused_and_stages_nothing(
+    db_url: str, app: Celery, build: Any, says: str
+) -> None:
+    with psycopg.connect(db_url) as conn, pytest.raises(drain.StagingError,
+                                                         match=re.escape(says)):
+        drain.stage(conn, build(app.tasks["t.add"]))
+    assert _rows(db_url) == []
+
+
+def test_a_signature_takes_no_other_arguments(db_url: str, app: Celery) -> None:
+    with psycopg.connect(db_url) as conn, pytest.raises(drain.StagingError, match=r"\.set\("):
+        drain.stage(conn, app.tasks["t.add"].s(1, 2), queue="q")
+
+
+def test_task_stage_is_delay_in_the_callers_transaction(db_url: str, app: Celery) -> None:
+    add, bound = app.tasks["t.add"], app.tasks["t.bound"]
+    assert isinstance(add, StagingTask)
+    with psycopg.connect(db_url) as conn:
+        with conn.transaction():
+            task_id = add.stage(conn, 2, y=5)
+            bound.stage_with(conn, [7], {"welcome": False}, queue="mail", countdown=5)
+        with conn.transaction():  # rolled back: its job goes with it
+            add.stage(conn, 100, 200)
+            raise psycopg.Rollback
+    rows = _rows(db_url)
+    assert [(r["task_id"] if r["task_name"] == "t.add" else None, r["task_name"], r["args"],
+             r["kwargs"], r["queue"]) for r in rows] == [
+        (task_id, "t.add", [2], {"y": 5}, None), (None, "t.bound", [7], {"welcome": False}, "mail")]
+
+
+@pytest.mark.parametrize(("task", "args", "kwargs", "says"), [
+    ("t.add", (1,), {}, "missing a required argument: 'y'"),
+    ("t.add", (1, 2, 3), {}, "too many positional arguments"),
+    ("t.bound", (1,), {"nope": 2}, "unexpected keyword argument 'nope'"),
+], ids=["missing", "too-many", "unknown-keyword"])
+def test_task_stage_checks_the_arguments_as_apply_async_does(
+    db_url: str, app: Celery, *, task: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+    says: str,
+) -> None:
+    with psycopg.connect(db_url) as conn, pytest.raises(drain.StagingError, match=says):
+        app.tasks[task].stage(conn, *args, **kwargs)
+    assert _rows(db_url) == []
+    # typing=False: Celery does not check, nor does drain.
+    with psycopg.connect(db_url) as conn:
+        app.tasks["t.loose"].stage(conn, 1, 2, 3)
+    assert [r["args"] for r in _rows(db_url)] == [[1, 2, 3]]
