@@ -45,10 +45,14 @@ class LedgerState:
     """The ledger's record of one backfill id."""
 
     partitions: int | None
-    committed: int
     rows: int
     #: The committed partitions' indexes.
     indexes: frozenset[int] = frozenset()
+
+    @property
+    def committed(self) -> int:
+        """How many partitions are committed."""
+        return len(self.indexes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +156,6 @@ def ledger_state(conn: psycopg.Connection[tuple[Any, ...]], run_id: str) -> Ledg
     ).fetchall()
     return LedgerState(
         partitions=max((int(r[1]) for r in rows), default=None),
-        committed=len(rows),
         rows=sum(int(r[2]) for r in rows),
         indexes=frozenset(int(r[0]) for r in rows),
     )

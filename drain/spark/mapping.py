@@ -102,6 +102,16 @@ def validate_run_id(run_id: str) -> None:
         raise ConfigError(f"bad backfill id {run_id!r}: 1 to 200 characters, no control chars")
 
 
+def partition_of(key: Column, partitions: int) -> Column:
+    """The partition a record's key belongs to: ``pmod(murmur3(key), partitions)``, the
+    partition ``repartition(partitions, key)`` sends it to. Every place that names a
+    record's partition (the writer's check, a resume's skip, the counts, the
+    rejects) takes it from here, so they cannot disagree."""
+    from pyspark.sql import functions as F  # noqa: PLC0415 - pyspark is optional
+
+    return F.pmod(F.hash(key), F.lit(partitions))
+
+
 def without_partitions(
     df: DataFrame, mapping: Mapping, partitions: int, skip: Collection[int]
 ) -> DataFrame:
@@ -112,8 +122,7 @@ def without_partitions(
         return df
     from pyspark.sql import functions as F  # noqa: PLC0415 - pyspark is optional
 
-    bucket = F.pmod(F.hash(F.expr(mapping.key)), F.lit(partitions))
-    return df.filter(~bucket.isin(sorted(skip)))
+    return df.filter(~partition_of(F.expr(mapping.key), partitions).isin(sorted(skip)))
 
 
 def jobs(
@@ -147,7 +156,7 @@ def jobs(
         partitioned, bucket = keyed, F.lit(None).cast("int")
     else:
         partitioned = keyed.repartition(partitions, "_key")
-        bucket = F.pmod(F.hash(F.col("_key")), F.lit(partitions))
+        bucket = partition_of(F.col("_key"), partitions)
     return partitioned.select(
         F.col("_key"),
         bucket.alias("_bucket"),

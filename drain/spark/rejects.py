@@ -119,7 +119,7 @@ def check(df: DataFrame, m: mapping_.Mapping, partitions: int,
         return df, 0
     key = F.expr(m.key)
     refused = df.select(
-        F.pmod(F.hash(key), F.lit(partitions)).alias("partition"),
+        mapping_.partition_of(key, partitions).alias("partition"),
         key.cast("string").alias("key"), why.alias("reason"),
     ).filter(F.col("reason").isNotNull())
     if rejects_file is None:

@@ -47,7 +47,7 @@ import psycopg
 
 from drain.errors import DrainError
 from drain.spark import ledger
-from drain.spark.mapping import COPY_COLUMNS
+from drain.spark.mapping import COPY_COLUMNS, partition_of
 from drain.url_parts import first_line
 
 if TYPE_CHECKING:
@@ -228,7 +228,7 @@ def expected_rows(jobs_source: DataFrame, key: str, partitions: int) -> dict[int
     partition back to the driver."""
     from pyspark.sql import functions as F  # noqa: PLC0415
 
-    bucket = F.pmod(F.hash(F.expr(key)), F.lit(partitions)).alias("p")
+    bucket = partition_of(F.expr(key), partitions).alias("p")
     return {int(r["p"]): int(r["n"])
             for r in jobs_source.groupBy(bucket).agg(F.count(F.lit(1)).alias("n")).collect()}
 
