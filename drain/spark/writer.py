@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import psycopg
 
-from drain.errors import DrainError
+from drain.errors import DrainError, StagingError
 from drain.spark import ledger
 from drain.spark.mapping import COPY_COLUMNS, partition_of
 from drain.url_parts import first_line
@@ -225,12 +225,19 @@ def write(lines: DataFrame, config: WriterConfig, *, arrow: bool | None = None) 
 def expected_rows(jobs_source: DataFrame, key: str, partitions: int) -> dict[int, int]:
     """Records per partition of ``jobs_source`` (the records about to be written, before
     the shuffle): one narrow pass reading only what the key needs, 8 bytes per
-    partition back to the driver."""
+    partition back to the driver. The same pass refuses a NULL key (StagingError)
+    before anything is written: otherwise the partitions without one would commit
+    while the one with it fails.
+    """
     from pyspark.sql import functions as F  # noqa: PLC0415
 
-    bucket = partition_of(F.expr(key), partitions).alias("p")
-    return {int(r["p"]): int(r["n"])
-            for r in jobs_source.groupBy(bucket).agg(F.count(F.lit(1)).alias("n")).collect()}
+    record_key = F.expr(key)
+    rows = jobs_source.groupBy(partition_of(record_key, partitions).alias("p")).agg(
+        F.count(F.lit(1)).alias("n"), F.count_if(record_key.isNull()).alias("nulls"),
+    ).collect()
+    if any(r["nulls"] for r in rows):
+        raise StagingError(f"a record's key ({key}) is NULL; nothing was staged")
+    return {int(r["p"]): int(r["n"]) for r in rows}
 
 
 def arrow_available() -> bool:
