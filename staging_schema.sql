@@ -82,6 +82,29 @@ ALTER TABLE staged_jobs
     -- sequence can be reset, cached per session, or bypassed).
     ADD COLUMN IF NOT EXISTS xact xid8 NOT NULL DEFAULT pg_current_xact_id();
 
+-- Celery's embed, the body's third part, for a job staged as a signature
+-- with link / link_error callbacks or as a chain (drain.stage(conn,
+-- signature)): {"callbacks": [...], "errbacks": [...], "chain": [...],
+-- "chord": null}, each a list of signatures as Celery serialises them. NULL:
+-- none (every key null), as for any job staged by name. The drain sends it
+-- as it is; the worker runs the callbacks and the rest of the chain.
+ALTER TABLE staged_jobs ADD COLUMN IF NOT EXISTS embed jsonb;
+-- NOT VALID: a new column is NULL in every row already staged, so there is
+-- nothing to check there (and no scan of a large backlog under the lock);
+-- Postgres checks every row written from now on.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_constraint
+                   WHERE conrelid = 'staged_jobs'::regclass
+                     AND conname = 'staged_jobs_embed_is_embed') THEN
+        ALTER TABLE staged_jobs ADD CONSTRAINT staged_jobs_embed_is_embed CHECK (
+            jsonb_typeof(embed) = 'object'
+            AND embed - ARRAY['callbacks', 'errbacks', 'chain', 'chord'] = '{}'::jsonb
+        ) NOT VALID;
+    END IF;
+END
+$$;
+
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT FROM pg_constraint
@@ -224,6 +247,8 @@ CREATE TABLE IF NOT EXISTS dead_jobs (
     detail     text,
     dead_at    timestamptz NOT NULL DEFAULT now()
 );
+-- Its embed (staged_jobs.embed), kept for a requeue.
+ALTER TABLE dead_jobs ADD COLUMN IF NOT EXISTS embed jsonb;
 -- A dead_jobs table from before dead_id had its primary key on id.
 DO $$
 BEGIN
@@ -276,8 +301,13 @@ BEGIN
     IF NOT EXISTS (SELECT FROM drain_schema_state WHERE key = 'queue_given_from_id') THEN
         -- Under the lock the ALTER took (or on a new table): no insert in flight.
         LOCK TABLE staged_jobs IN SHARE MODE;
+        -- The next id the table's sequence hands out (or above any row given
+        -- its own id): right even when the drain has emptied the table.
         INSERT INTO drain_schema_state (key, value)
-        SELECT 'queue_given_from_id', coalesce(max(id), 0) + 1 FROM staged_jobs;
+        SELECT 'queue_given_from_id', greatest(
+            coalesce(pg_sequence_last_value(pg_get_serial_sequence('staged_jobs', 'id')::regclass), 0),
+            coalesce(max(id), 0)) + 1
+        FROM staged_jobs;
     END IF;
 END
 $$;

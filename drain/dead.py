@@ -19,6 +19,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from drain import sql as queries
 from drain.errors import ConfigError
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -109,20 +110,24 @@ def requeue(
     else none.
     """
     where, params = filters.where()
-    query = sql.SQL(
-        """
-        WITH moved AS (DELETE FROM dead_jobs WHERE {} RETURNING *)
-        INSERT INTO staged_jobs (task_id, task_name, args, kwargs, queue, priority, tag,
-                                 not_before, expires_at)
-        SELECT task_id, task_name, args, kwargs, queue, priority, tag, NULL,
-               CASE WHEN {expires_in}::interval IS NOT NULL THEN now() + {expires_in}
-                    WHEN expires_at IS NOT NULL
-                        THEN now() + (expires_at - coalesce(not_before, staged_at))
-               END
-        FROM moved
-        """
-    ).format(where, expires_in=sql.Placeholder("expires_in"))
     with conn.transaction():
+        # Their embed (callbacks, a chain's next tasks) goes back with them; a
+        # schema from before the column (drain migrate adds it) has none.
+        has_embed = conn.execute(queries.query("embed_present")).fetchone() == (True,)
+        embed = sql.SQL(", embed" if has_embed else "")
+        query = sql.SQL(
+            """
+            WITH moved AS (DELETE FROM dead_jobs WHERE {} RETURNING *)
+            INSERT INTO staged_jobs (task_id, task_name, args, kwargs, queue, priority, tag,
+                                     not_before, expires_at{embed})
+            SELECT task_id, task_name, args, kwargs, queue, priority, tag, NULL,
+                   CASE WHEN {expires_in}::interval IS NOT NULL THEN now() + {expires_in}
+                        WHEN expires_at IS NOT NULL
+                            THEN now() + (expires_at - coalesce(not_before, staged_at))
+                   END{embed}
+            FROM moved
+            """
+        ).format(where, expires_in=sql.Placeholder("expires_in"), embed=embed)
         return conn.execute(query, {**params, "expires_in": expires_in}).rowcount
 
 

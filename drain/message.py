@@ -57,6 +57,8 @@ class StagedRow:
     #: Staged without a queue (``queue`` then reads 'celery', Celery's default):
     #: ``drain run --app`` routes it as the app's ``apply_async`` would.
     unrouted: bool = False
+    #: Celery's embed (callbacks, errbacks, chain) as JSON text; None: none.
+    embed_json: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -154,6 +156,8 @@ def build(
     A row's ``expires_at`` becomes Celery's ``expires`` header (ISO 8601, UTC)
     and the AMQP ``expiration`` property (milliseconds left, at ``now``), as
     Celery 5.2+ sends them; its ``tag`` the extra ``drain_tag`` header.
+    Its ``embed`` (a signature's callbacks, a chain's next tasks) is the body's
+    third part, as Celery sends it; without one every part is null.
 
     With a ``destination`` (the user's app, drain.routing), the message is what
     that app's ``task.apply_async(args, kwargs, task_id=...)`` sends: to its
@@ -217,7 +221,8 @@ def build(
         del properties["priority"]
     if expiration is not None:
         properties["expiration"] = expiration
-    body = f"[{ascii_json(row.args_json)}, {ascii_json(row.kwargs_json)}, {_EMBED}]".encode()
+    embed = _EMBED if row.embed_json is None else ascii_json(row.embed_json)
+    body = f"[{ascii_json(row.args_json)}, {ascii_json(row.kwargs_json)}, {embed}]".encode()
     return Message(
         row_id=row.id,
         task_id=task_id,

@@ -86,13 +86,15 @@ SELECT EXISTS (
 -- rather than being published with an expiry in the past), and rows of other
 -- lanes (lane = |id mod N|: every id, negative ones too, has exactly one).
 -- JSON stays text: the message body is built from it without a decode/encode
--- round trip.
+-- round trip. (On a schema from before the embed column, drain.sql.query
+-- reads embed as NULL: see drain.store, "embed".)
 -- A row without a queue (NULL, or 'celery' staged before that was NULL: see
 -- staging_schema.sql, queue_given_from_id) reads as 'celery', Celery's default,
 -- and as unrouted: `drain run --app` routes it as the app would.
 SELECT id, task_id, task_name, args::text, kwargs::text, coalesce(queue, 'celery') AS queue,
        priority, tag, expires_at, not_before IS NULL AS ready,
-       queue IS NULL OR (queue = 'celery' AND id < %(queue_given_from)s::bigint) AS unrouted
+       queue IS NULL OR (queue = 'celery' AND id < %(queue_given_from)s::bigint) AS unrouted,
+       embed::text AS embed
 FROM (
     (SELECT s.* FROM unnest(%(priorities)s::int[], %(mark_xacts)s::bigint[],
                             %(mark_ids)s::bigint[]) AS m(p, wx, wi)
@@ -145,6 +147,13 @@ FROM (
 ) AS due
 ORDER BY priority DESC, xact, id
 LIMIT %(limit)s;
+
+-- name: embed_present
+-- Whether staged_jobs has the embed column (`drain migrate` adds it). Read
+-- from the catalog under the batch's own snapshot: see drain.store, "embed".
+SELECT EXISTS (SELECT FROM pg_attribute
+               WHERE attrelid = 'staged_jobs'::regclass AND attname = 'embed'
+                 AND NOT attisdropped);
 
 -- name: schema_state_present
 -- A schema from before drain_schema_state (staging_schema.sql) has none.
@@ -235,9 +244,9 @@ WITH gone AS (
     RETURNING *
 )
 INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, priority, tag,
-                       not_before, expires_at, staged_at, reason, detail)
+                       not_before, expires_at, staged_at, embed, reason, detail)
 SELECT id, task_id, task_name, args, kwargs, queue, priority, tag,
-       not_before, expires_at, staged_at, 'expired', NULL
+       not_before, expires_at, staged_at, embed, 'expired', NULL
 FROM gone;
 
 -- name: bury
@@ -250,9 +259,9 @@ WITH doomed AS (
     RETURNING s.*, d.reason AS dead_reason, d.detail AS dead_detail
 )
 INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, priority, tag,
-                       not_before, expires_at, staged_at, reason, detail)
+                       not_before, expires_at, staged_at, embed, reason, detail)
 SELECT id, task_id, task_name, args, kwargs, queue, priority, tag,
-       not_before, expires_at, staged_at, dead_reason, dead_detail
+       not_before, expires_at, staged_at, embed, dead_reason, dead_detail
 FROM gone;
 
 -- name: alive

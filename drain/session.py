@@ -265,7 +265,7 @@ class Session:
         conn = self._require()
         try:
             self.asked_at = time.monotonic()
-            return conn.execute(sql.query(name), params)
+            return conn.execute(self._query(name), params)
         except psycopg.errors.InsufficientPrivilege as exc:
             raise DrainError(
                 f"database {self._display}: {first_line(exc)} (grant the drain's role "
@@ -285,6 +285,10 @@ class Session:
                 raise  # inside a batch: Store.batch rolls it back and says so
             self.close()
             raise self._unavailable("lost", exc) from None
+
+    def _query(self, name: str) -> str:
+        """The text of the query ``name`` for this session's schema."""
+        return sql.query(name)
 
     def _require(self) -> psycopg.Connection[tuple[object, ...]]:
         if self._conn is None or self._conn.closed:

@@ -63,6 +63,9 @@ class Store(Session):
         #: MARK_RECHECK seconds while the schema is older than it.
         self._queue_given_from = EVERY_CELERY_ROW
         self._mark_read_at = 0.0
+        #: staged_jobs has the embed column. On a schema from before it
+        #: (`drain migrate` adds it), each batch looks again (see :meth:`batch`).
+        self._embed = True
 
     def _prepare(self, conn: psycopg.Connection[tuple[object, ...]]) -> None:
         """Check the schema and LISTEN (SchemaMissing when it is not there)."""
@@ -85,6 +88,7 @@ class Store(Session):
         self._wake = {"class": wakeup.WAKE_CLASS, "key": table}
         self._queue_given_from = queue_given_from(conn)
         self._mark_read_at = time.monotonic()
+        self._embed = bool(conn.execute(sql.query("embed_present")).fetchone() == (True,))
 
     def close(self) -> None:
         """Close the session; this also releases the locks and rolls back a batch."""
@@ -143,9 +147,20 @@ class Store(Session):
         self.in_recovery = False
         log.info("database %s was promoted: it accepts writes now", self._display)
 
+    def _query(self, name: str) -> str:
+        return sql.query(name, embed=self._embed)
+
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
-        """A REPEATABLE READ transaction; commits on success, rolls back on error."""
+        """A REPEATABLE READ transaction; commits on success, rolls back on error.
+
+        On a schema from before ``staged_jobs.embed`` the batch's first statement
+        looks for the column: `drain migrate` may have added it since. The look
+        reads the catalog under the batch's snapshot, so the batch cannot see a
+        row staged with an embed (staged after the column was added) unless it
+        also sees the column, and then it reads it: no embed is ever left out of
+        a message, nor out of a row moved to dead_jobs.
+        """
         conn = self._require()
         # Rows whose NOTIFY already arrived are visible to this batch's snapshot:
         # forget those notifications, or each would cost an empty cycle later.
@@ -154,6 +169,8 @@ class Store(Session):
             self.asked_at = time.monotonic()  # BEGIN
             with conn.transaction():
                 try:
+                    if not self._embed:
+                        self._embed = self._ask("embed_present")
                     yield
                 finally:
                     self.asked_at = time.monotonic()  # COMMIT or ROLLBACK

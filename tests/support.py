@@ -159,10 +159,13 @@ def pgbench() -> str:
     return str(candidates[0])
 
 
-def as_before_no_queue_was_null(db_url: str) -> None:
+def as_an_older_schema(db_url: str) -> None:
     """Turn a migrated database back into one from before "no queue given" was NULL
-    (staged_jobs.queue NOT NULL DEFAULT 'celery'), as a database from then is."""
+    (staged_jobs.queue NOT NULL DEFAULT 'celery') and before the embed column
+    (callbacks and chains), as a database from then is."""
     with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("ALTER TABLE staged_jobs DROP COLUMN embed")
+        conn.execute("ALTER TABLE dead_jobs DROP COLUMN embed")
         conn.execute("ALTER TABLE staged_jobs ALTER queue SET DEFAULT 'celery', "
                      "ALTER queue SET NOT NULL")
         conn.execute("ALTER TABLE dead_jobs ALTER queue SET NOT NULL")

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import uuid
@@ -26,10 +27,12 @@ from typing import Any
 
 import psycopg
 import psycopg.errors
+import psycopg.types.json
 import pytest
 
 import drain
-from drain import sql, store
+from drain import dead, sql, store
+from drain.config import Settings
 from drain.message import StagedRow
 from drain.store import EVERY_CELERY_ROW, fetch_params, migrate, queue_given_from
 from tests import support
@@ -109,6 +112,7 @@ def test_catalog_snapshot_is_the_schema(db_url: str) -> None:
         "staged_jobs_kwargs_is_object",
         "staged_jobs_queue_length",
         "staged_jobs_tag_length",
+        "staged_jobs_embed_is_embed",
     }
     (notify, n_enabled, n_def), (xact, x_enabled, x_def) = snap["triggers"]
     assert (notify, n_enabled) == ("staged_jobs_notify", "O")
@@ -127,7 +131,7 @@ def test_catalog_snapshot_is_the_schema(db_url: str) -> None:
     assert snap["roles"] == [("drain_runner", False), ("drain_stager", False)]
     assert [c[0] for c in snap["columns"]] == [
         "id", "task_id", "task_name", "args", "kwargs", "queue", "staged_at", "priority",
-        "tag", "not_before", "expires_at", "xact",
+        "tag", "not_before", "expires_at", "xact", "embed",
     ]
 
 
@@ -174,17 +178,20 @@ def test_migrate_empty_database_twice(db_url: str, empty_db_url: str) -> None:
         ("queue", "q" * 256, "staged_jobs_queue_length"),
         # 128 characters but 256 bytes: the limit is on bytes, as for AMQP.
         ("queue", "é" * 128, "staged_jobs_queue_length"),
+        ("embed", "[]", "staged_jobs_embed_is_embed"),
+        ("embed", '{"chain": [], "link": []}', "staged_jobs_embed_is_embed"),
     ],
 )
 def test_check_constraints_refuse_bad_rows(
     db_url: str, column: str, value: str, constraint: str
 ) -> None:
-    row = {"task_name": "t.ok", "args": "[]", "kwargs": "{}", "queue": "celery", column: value}
+    row = {"task_name": "t.ok", "args": "[]", "kwargs": "{}", "queue": "celery", "embed": None,
+           column: value}
     with psycopg.connect(db_url) as conn:
         with pytest.raises(psycopg.errors.CheckViolation) as refused:
             conn.execute(
-                "INSERT INTO staged_jobs (task_name, args, kwargs, queue) "
-                "VALUES (%(task_name)s, %(args)s::jsonb, %(kwargs)s::jsonb, %(queue)s)",
+                "INSERT INTO staged_jobs (task_name, args, kwargs, queue, embed) VALUES "
+                "(%(task_name)s, %(args)s::jsonb, %(kwargs)s::jsonb, %(queue)s, %(embed)s::jsonb)",
                 row,
             )
         assert refused.value.diag.constraint_name == constraint
@@ -397,7 +404,9 @@ def _read(db_url: str) -> list[tuple[str, str, bool]]:
     """What the drain reads of every row: (task, queue, staged without a queue)."""
     with psycopg.connect(db_url) as conn:
         params = fetch_params(100, queue_given_from=queue_given_from(conn))
-        rows = [StagedRow(*r) for r in conn.execute(sql.query("fetch_batch"), params)]
+        embed = conn.execute(sql.query("embed_present")).fetchone() == (True,)
+        rows = [StagedRow(*r) for r in conn.execute(sql.query("fetch_batch", embed=embed),
+                                                      params)]
     return [(r.task_name, r.queue, r.unrouted) for r in sorted(rows, key=lambda r: r.id)]
 
 
@@ -407,7 +416,7 @@ def test_no_queue_is_null_and_an_upgraded_database_keeps_its_old_rows_routing(
     # A new database: every row staged since the schema was applied says what it gave.
     with psycopg.connect(db_url) as conn:
         assert queue_given_from(conn) == 1
-    support.as_before_no_queue_was_null(db_url)
+    support.as_an_older_schema(db_url)
     with psycopg.connect(db_url) as conn:
         assert queue_given_from(conn) == EVERY_CELERY_ROW
         conn.execute("INSERT INTO staged_jobs (task_name) VALUES ('old.default')")
@@ -434,3 +443,66 @@ def test_no_queue_is_null_and_an_upgraded_database_keeps_its_old_rows_routing(
         ("new.celery", "celery", False),  # an explicit celery is apply_async(queue='celery')
         ("new.sql", "celery", True),
     ]
+
+
+# -- the embed column (callbacks, chains) ---------------------------------------------------
+
+_EMBED: dict[str, Any] = {"callbacks": [{"task": "t.next", "args": [], "kwargs": {}, "options": {},
+                         "subtask_type": None, "immutable": False}],
+          "errbacks": None, "chain": None, "chord": None}
+
+
+def _stage_with_embed(db_url: str, task: str, **columns: Any) -> None:
+    with psycopg.connect(db_url) as conn:
+        names = ["task_name", "embed", *columns]
+        conn.execute(f"INSERT INTO staged_jobs ({', '.join(names)}) VALUES "
+                     f"({', '.join(['%s'] * len(names))})",
+                     [task, psycopg.types.json.Jsonb(_EMBED), *columns.values()])
+
+
+def test_a_drain_on_a_schema_from_before_the_embed_column_reads_it_once_it_is_added(
+    db_url: str,
+) -> None:
+    """The drain looks for the column at the start of each batch, under the batch's
+    snapshot: a row staged with an embed is never read without it."""
+    support.as_an_older_schema(db_url)
+    with psycopg.connect(db_url) as conn:
+        drain.stage(conn, "old.job")
+    drainer = store.Store(Settings(database_url=db_url))
+    drainer.connect()
+    try:
+        with drainer.batch():
+            [old] = drainer.fetch(10)
+            drainer.bury([(old.id, "invalid", "moved without an embed column")])
+        assert old.embed_json is None
+        with psycopg.connect(db_url) as conn:
+            migrate(conn)
+        _stage_with_embed(db_url, "new.with_callbacks")
+        with drainer.batch():
+            [new] = drainer.fetch(10)
+            drainer.bury([(new.id, "invalid", "moved with its embed")])
+        assert new.task_name == "new.with_callbacks"
+        assert new.embed_json is not None and json.loads(new.embed_json) == _EMBED
+    finally:
+        drainer.close()
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT task_name, embed FROM dead_jobs ORDER BY dead_id").fetchall(
+        ) == [("old.job", None), ("new.with_callbacks", _EMBED)]
+
+
+def test_an_expired_job_keeps_its_embed_in_dead_jobs_and_gets_it_back_on_requeue(
+    db_url: str,
+) -> None:
+    _stage_with_embed(db_url, "t.expired", expires_at="2000-01-01T00:00:00Z")
+    drainer = store.Store(Settings(database_url=db_url))
+    drainer.connect()
+    try:
+        with drainer.batch():
+            assert drainer.expire([], 10) == 1
+    finally:
+        drainer.close()
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT embed FROM dead_jobs").fetchone() == (_EMBED,)
+        assert dead.requeue(conn, dead.Filters(reason="expired")) == 1
+        assert conn.execute("SELECT task_name, embed FROM staged_jobs").fetchall() == [
+            ("t.expired", _EMBED)]
