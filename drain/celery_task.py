@@ -6,7 +6,8 @@
   but staged on ``conn``, in the caller's transaction (:func:`drain.stage`);
 * ``task.stage_with(conn, args, kwargs, **options)``: as ``task.apply_async``,
   with the options :func:`drain.stage` takes from a signature (``queue``,
-  ``countdown``, ``eta``, ``expires``, ``priority``, ``task_id``).
+  ``countdown``, ``eta``, ``expires``, ``priority``, ``task_id``, and ``link`` /
+  ``link_error`` callbacks).
 
 Both check the arguments against the task's function first, as Celery's
 ``apply_async`` does when the task's ``typing`` is on (the default): a call

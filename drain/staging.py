@@ -26,6 +26,7 @@ import datetime as dt
 import inspect
 import json
 import math
+import operator
 import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -40,10 +41,13 @@ _COLUMNS = (
     "task_id", "task_name", "args", "kwargs", "queue", "priority", "tag", "not_before",
     "expires_at",
 )
+#: With a row that has an embed (a signature's callbacks, a chain): only then, so
+#: that staging by name works on a schema from before the column.
+_EMBED_COLUMNS = (*_COLUMNS, "embed")
 #: How each column's parameter is cast in the INSERT (they are sent as text).
 _CASTS = {
     "task_id": "uuid", "args": "jsonb", "kwargs": "jsonb", "priority": "smallint",
-    "not_before": "timestamptz", "expires_at": "timestamptz",
+    "not_before": "timestamptz", "expires_at": "timestamptz", "embed": "jsonb",
 }
 _MULTI_ROW_CHUNK = 500
 # A \u0000 escape in JSON text: preceded by an even number of backslashes, so
@@ -80,21 +84,21 @@ class _Row:
     tag: str | None
     not_before: dt.datetime | None
     expires_at: dt.datetime | None
+    #: Celery's embed as JSON text (drain.signatures); None: none.
+    embed: str | None = None
 
-    def values(self) -> tuple[Any, ...]:
-        """Column values in ``_COLUMNS`` order, as COPY takes them."""
-        return (
-            self.task_id, self.task_name, self.args, self.kwargs, self.queue, self.priority,
-            self.tag, self.not_before, self.expires_at,
-        )
+    def values(self, columns: tuple[str, ...] = _COLUMNS) -> tuple[Any, ...]:
+        """Column values in ``columns`` order, as COPY takes them."""
+        return tuple(getattr(self, column) for column in columns)
 
-    def params(self, suffix: str = "") -> dict[str, str | None]:
+    def params(self, suffix: str = "",
+               columns: tuple[str, ...] = _COLUMNS) -> dict[str, str | None]:
         """Named parameters, every value as text (or None) so that any driver takes them."""
         return {
             f"{column}{suffix}": None if value is None else (
                 value.isoformat() if isinstance(value, dt.datetime) else str(value)
             )
-            for column, value in zip(_COLUMNS, self.values(), strict=True)
+            for column, value in zip(columns, self.values(columns), strict=True)
         }
 
 
@@ -136,20 +140,27 @@ def stage(
     ``countdown`` and relative ``expires`` are measured on this process's clock.
 
     ``task_name`` may also be a Celery signature (``add.s(2, 2).set(queue=...,
-    countdown=...)``): its task, args, kwargs and options, as ``apply_async``
-    of it would send them (:func:`from_signature`); the other arguments must
-    then be left out.
+    countdown=...)``, with ``link`` / ``link_error`` callbacks) or a chain
+    (``a.s(1) | b.s() | c.s()``): the message is what its ``apply_async``
+    would send (drain.signatures), and the worker runs the callbacks and the
+    rest of the chain as after ``apply_async``; the other arguments must then
+    be left out. For a chain, the returned id is its first task's; the last
+    task's (what ``chain.apply_async().id`` gives) is that of the chain's
+    ``freeze()``, called before staging. Groups and chords are refused.
     """
     if isinstance(task_name, Mapping):
         if (args, kwargs, queue, task_id, priority, tag, countdown, eta, expires) != (
                 (), None, None, None, 0, None, None, None, None):
             raise StagingError("give a signature its options with .set(...): "
                                "drain.stage(conn, signature) takes nothing else")
-        return stage(conn, **from_signature(task_name))
-    row = _row(
-        task_name, args, kwargs, queue, task_id,
-        priority=priority, tag=tag, countdown=countdown, eta=eta, expires=expires,
-    )
+        spec = from_signature(task_name)
+        row = _row(spec.pop("task_name"), spec.pop("args"), spec.pop("kwargs"),
+                   spec.pop("queue", None), spec.pop("task_id", None), **spec)
+    else:
+        row = _row(
+            task_name, args, kwargs, queue, task_id,
+            priority=priority, tag=tag, countdown=countdown, eta=eta, expires=expires,
+        )
     _execute_insert(conn, [row])
     return row.task_id
 
@@ -214,6 +225,7 @@ def _row(  # noqa: PLR0912 - one check per argument reads best in a row
     countdown: Any = None,
     eta: Any = None,
     expires: Any = None,
+    embed: str | None = None,
 ) -> _Row:
     if not isinstance(task_name, str) or not task_name.strip():
         raise StagingError(f"task name must be a non-empty string, got {task_name!r}")
@@ -277,6 +289,7 @@ def _row(  # noqa: PLR0912 - one check per argument reads best in a row
         tag=tag,
         not_before=not_before,
         expires_at=expires_at,
+        embed=None if embed is None else _json_text(task_name, "callbacks or chain", embed),
     )
 
 
@@ -304,6 +317,11 @@ def _json(task_name: str, what: str, value: Any) -> str:
             f"{what} for {task_name} are not JSON-serialisable: {exc}; "
             "convert them to lists, dicts, strings, numbers, booleans or None"
         ) from None
+    return _json_text(task_name, what, text)
+
+
+def _json_text(task_name: str, what: str, text: str) -> str:
+    """JSON text as jsonb will take it: no NUL, valid Unicode."""
     if _JSON_NUL.search(text):
         raise StagingError(f"{what} for {task_name} contain a NUL character, which jsonb refuses")
     _text(f"{what} for {task_name}", text)
@@ -332,24 +350,42 @@ def _is_sqlalchemy(conn: Any) -> bool:
     return type(conn).__module__.startswith("sqlalchemy.")
 
 
-def _insert_sql(count: int, style: str) -> str:
+def _columns(rows: list[_Row]) -> tuple[str, ...]:
+    return _EMBED_COLUMNS if any(row.embed is not None for row in rows) else _COLUMNS
+
+
+def _copy_columns(rows: list[_Row]) -> tuple[str, ...]:
+    """COPY's columns: without queue when no row gives one, so that the column's
+    default applies, as in the INSERT (:func:`_insert_sql`)."""
+    columns = _columns(rows)
+    if all(row.queue is None for row in rows):
+        columns = tuple(c for c in columns if c != "queue")
+    return columns
+
+
+def _insert_sql(rows: list[_Row], style: str, columns: tuple[str, ...] = _COLUMNS) -> str:
+    """The INSERT of ``rows``. A row without a queue takes the column's DEFAULT,
+    which is NULL, or 'celery' on a database `drain migrate` has not upgraded
+    yet (where that was how "no queue given" read)."""
     def placeholder(column: str, i: int) -> str:
+        if column == "queue" and rows[i].queue is None:
+            return "DEFAULT"
         name = f":{column}{i}" if style == "named" else f"%({column}{i})s"
         cast = _CASTS.get(column)
         return f"CAST({name} AS {cast})" if cast else f"CAST({name} AS text)"
 
     values = ", ".join(
-        "(" + ", ".join(placeholder(column, i) for column in _COLUMNS) + ")"
-        for i in range(count)
+        "(" + ", ".join(placeholder(column, i) for column in columns) + ")"
+        for i in range(len(rows))
     )
     # Only constant column names and generated placeholders: no value is pasted in.
-    return f"INSERT INTO staged_jobs ({', '.join(_COLUMNS)}) VALUES {values}"  # noqa: S608
+    return f"INSERT INTO staged_jobs ({', '.join(columns)}) VALUES {values}"  # noqa: S608
 
 
-def _params(rows: list[_Row]) -> dict[str, str | None]:
+def _params(rows: list[_Row], columns: tuple[str, ...] = _COLUMNS) -> dict[str, str | None]:
     params: dict[str, str | None] = {}
     for i, row in enumerate(rows):
-        params.update(row.params(str(i)))
+        params.update(row.params(str(i), columns))
     return params
 
 
@@ -365,13 +401,14 @@ def _refuse_async(conn: Any) -> None:
 
 def _execute_insert(conn: Any, rows: list[_Row]) -> None:
     _refuse_async(conn)
-    params = _params(rows)
+    columns = _columns(rows)
+    params = _params(rows, columns)
     if _is_sqlalchemy(conn):
         from sqlalchemy import text  # noqa: PLC0415 - SQLAlchemy is optional
 
-        conn.execute(text(_insert_sql(len(rows), "named")), params)
+        conn.execute(text(_insert_sql(rows, "named", columns)), params)
         return
-    statement = _insert_sql(len(rows), "pyformat")
+    statement = _insert_sql(rows, "pyformat", columns)
     if _is_psycopg(conn) and hasattr(conn, "execute"):
         conn.execute(statement, params)
     elif callable(getattr(conn, "cursor", None)):
@@ -390,15 +427,17 @@ def _execute_insert(conn: Any, rows: list[_Row]) -> None:
 
 
 def _copy(conn: Any, rows: list[_Row]) -> None:
-    statement = f"COPY staged_jobs ({', '.join(_COLUMNS)}) FROM STDIN"
+    columns = _copy_columns(rows)
+    statement = f"COPY staged_jobs ({', '.join(columns)}) FROM STDIN"
     if hasattr(conn, "copy"):  # a psycopg Cursor
-        _copy_rows(conn, statement, rows)
+        _copy_rows(conn, statement, rows, columns)
         return
     with conn.cursor() as cursor:
-        _copy_rows(cursor, statement, rows)
+        _copy_rows(cursor, statement, rows, columns)
 
 
-def _copy_rows(cursor: Any, statement: str, rows: list[_Row]) -> None:
+def _copy_rows(cursor: Any, statement: str, rows: list[_Row], columns: tuple[str, ...]) -> None:
+    values = operator.attrgetter(*columns)
     with cursor.copy(statement) as copy:
         for row in rows:
-            copy.write_row(row.values())
+            copy.write_row(values(row))

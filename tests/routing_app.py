@@ -11,11 +11,15 @@ a test builds the same app in-process with :func:`create`. It has:
   queue bound to a topic exchange, with a routing key of its own);
 * a queue with ``x-max-priority`` 10, a quorum queue, a topic exchange;
 * a task with its own queue, time limits, priority and ``ignore_result``;
-* tasks that record where they ran in ``routing_runs`` (``ROUTING_APP_DATABASE_URL``).
+* tasks that record where they ran in ``routing_runs`` (``ROUTING_APP_DATABASE_URL``);
+* canvas tasks (``canvas.add``, ``canvas.fail`` and the errback
+  ``canvas.on_error``), which record what they were given in ``canvas_runs``:
+  chains and callbacks staged through drain must run as after ``apply_async``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Any
@@ -23,6 +27,8 @@ from typing import Any
 import psycopg
 from celery import Celery, Task
 from kombu.entity import Exchange, Queue
+
+from tests import support
 
 BROKER_URL = os.environ.get("DRAIN_TEST_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
 TASKS = ("orders.process", "mail.send", "report.daily", "video.encode")
@@ -34,6 +40,15 @@ def names(suffix: str) -> dict[str, str]:
     found = {role: f"rt_{role}_{suffix}" for role in roles}
     found["topic"] = f"rt_topic_{suffix}"
     return found
+
+
+def delete_entities(suffix: str) -> None:
+    """Delete the app's queues and exchanges for ``suffix`` (a test's clean-up)."""
+    with support.broker_channel() as ch:
+        for role, name in names(suffix).items():
+            if role != "topic":
+                ch.queue_delete(name)
+            ch.exchange_delete(name)
 
 
 def create(suffix: str) -> Celery:
@@ -81,6 +96,34 @@ def create(suffix: str) -> Celery:
             conn.execute("INSERT INTO routing_runs VALUES (%s, %s, %s, %s)",
                          (task.request.id, task.name, info.get("exchange"),
                           info.get("routing_key")))
+
+    def record_canvas(name: str, given: Any, request: Any) -> None:
+        url = os.environ.get("ROUTING_APP_DATABASE_URL")
+        if not url:
+            return
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("CREATE TABLE IF NOT EXISTS canvas_runs (task_id text, task_name "
+                         "text, given jsonb, parent_id text, root_id text)")
+            conn.execute("INSERT INTO canvas_runs VALUES (%s, %s, %s, %s, %s)",
+                         (request.id, name, json.dumps(given), request.parent_id,
+                          request.root_id))
+
+    @app.task(name="canvas.add", bind=True, shared=False)
+    def canvas_add(self: Task, x: int, y: int = 0) -> int:
+        record_canvas(self.name, [x, y], self.request)
+        return x + y
+
+    @app.task(name="canvas.fail", bind=True, shared=False)
+    def canvas_fail(self: Task, *args: Any) -> None:
+        record_canvas(self.name, list(args), self.request)
+        raise ValueError("canvas.fail failed on purpose")
+
+    @app.task(name="canvas.on_error", shared=False)
+    def canvas_on_error(request: Any, exc: BaseException, traceback: Any) -> None:
+        # A "new style" errback (request, exc, traceback; not bound, or Celery
+        # takes it for an old one): the worker calls it at once, with the
+        # failed task's request.
+        record_canvas("canvas.on_error", [request.id, str(exc)], request)
 
     @app.task(name="orders.process", bind=True, shared=False)
     def process(self: Task, *args: Any, **kwargs: Any) -> None:

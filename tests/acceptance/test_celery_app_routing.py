@@ -18,10 +18,7 @@ import pytest
 from celery import Celery
 
 import drain
-from tests import routing_app, support
-
-#: Properties and headers that name the sending process, by design per process.
-PER_PROCESS = {"reply_to", "origin"}
+from tests import messages, routing_app, support
 
 
 @pytest.fixture
@@ -29,12 +26,7 @@ def suffix() -> Iterator[str]:
     """This test's suffix for the app's queue and exchange names; deleted afterwards."""
     value = uuid.uuid4().hex[:10]
     yield value
-    names = routing_app.names(value)
-    with support.broker_channel() as ch:
-        for role, name in names.items():
-            if role != "topic":
-                ch.queue_delete(name)
-            ch.exchange_delete(name)
+    routing_app.delete_entities(value)
 
 
 @pytest.fixture
@@ -70,41 +62,6 @@ def _stage_all(db_url: str, suffix: str) -> dict[str, int]:
     return staged
 
 
-def _collect(queues: set[str], count: int) -> dict[str, tuple[str, Any, Any, bytes]]:
-    """The next ``count`` messages of ``queues``: {task id: (queue, method, props, body)}."""
-    found: dict[str, tuple[str, Any, Any, bytes]] = {}
-
-    def more() -> bool:
-        for queue in sorted(queues):
-            for method, props, body in support.drain_queue(queue, timeout=0.2):
-                found[str(props.headers["id"])] = (queue, method, props, body)
-        return len(found) >= count
-
-    support.wait_for(more, 30, f"{count} messages in {sorted(queues)}")
-    assert len(found) == count, f"expected {count} messages, got {len(found)}"
-    return found
-
-
-def _differences(ours: tuple[str, Any, Any, bytes],
-                 theirs: tuple[str, Any, Any, bytes]) -> list[str]:
-    (q1, m1, p1, b1), (q2, m2, p2, b2) = ours, theirs
-    found = []
-    for what, a, b in (("queue", q1, q2), ("exchange", m1.exchange, m2.exchange),
-                       ("routing key", m1.routing_key, m2.routing_key), ("body", b1, b2)):
-        if a != b:
-            found.append(f"{what}: {a!r} != {b!r}")
-    p1_all, p2_all = dict(vars(p1)), dict(vars(p2))
-    h1, h2 = p1_all.pop("headers"), p2_all.pop("headers")
-    h1.pop("drain_tag", None)
-    if list(h1) != list(h2):
-        found.append(f"header names or order: {list(h1)} != {list(h2)}")
-    for kind, ours_, theirs_ in (("property", p1_all, p2_all), ("header", h1, h2)):
-        for key in sorted(set(ours_) | set(theirs_)):
-            if key not in PER_PROCESS and ours_.get(key) != theirs_.get(key):
-                found.append(f"{kind} {key}: {ours_.get(key)!r} != {theirs_.get(key)!r}")
-    return found
-
-
 def test_each_job_as_apply_async_sends_it(db_url: str, suffix: str, app: Celery) -> None:
     staged = _stage_all(db_url, suffix)
     with psycopg.connect(db_url) as conn:
@@ -113,19 +70,20 @@ def test_each_job_as_apply_async_sends_it(db_url: str, suffix: str, app: Celery)
                           env=_env(db_url, suffix))
     assert run.returncode == 0, run.stderr
     queues = {expected for *_, expected in cases(suffix)}
-    ours = _collect(queues, len(staged))
+    ours = messages.collect(queues, len(staged))
     by_case = {i: ours[task_id] for task_id, i in staged.items()}
 
     for task_id, i in staged.items():
         task, args, kwargs, options, _ = cases(suffix)[i]
         app.tasks[task].apply_async(args, kwargs, task_id=task_id, **options)
-    theirs = _collect(queues, len(staged))
+    theirs = messages.collect(queues, len(staged))
 
     problems = []
     for task_id, i in sorted(staged.items(), key=lambda item: item[1]):
         task, _, kwargs, _, expected = cases(suffix)[i]
         assert by_case[i][0] == expected, f"{task} {kwargs}: landed in {by_case[i][0]}"
-        problems += [f"{task} {kwargs}: {d}" for d in _differences(by_case[i], theirs[task_id])]
+        problems += [f"{task} {kwargs}: {d}"
+                     for d in messages.differences(by_case[i], theirs[task_id])]
     assert not problems, "\n".join(problems)
 
     with psycopg.connect(db_url) as conn:

@@ -1,4 +1,5 @@
-"""`drain migrate` upgrades a live database in place: "no queue given" becomes NULL.
+"""`drain migrate` upgrades a live database in place: "no queue given" becomes NULL,
+and staged_jobs gets its embed column (callbacks, chains).
 
 A database from before (``staged_jobs.queue NOT NULL DEFAULT 'celery'``) is
 written to by pgbench (4 clients, a job per transaction, no queue given) while
@@ -10,6 +11,7 @@ lost, nothing duplicated, nothing re-routed (to a queue called celery).
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
@@ -21,6 +23,7 @@ from typing import Any
 import psycopg
 import pytest
 
+import drain
 from tests import routing_app, support
 
 RATE = 300  # jobs per second, in all
@@ -31,17 +34,13 @@ SECONDS = 12
 def suffix() -> Iterator[str]:
     value = uuid.uuid4().hex[:10]
     yield value
-    with support.broker_channel() as ch:
-        for role, name in routing_app.names(value).items():
-            if role != "topic":
-                ch.queue_delete(name)
-            ch.exchange_delete(name)
+    routing_app.delete_entities(value)
 
 
 def test_migrate_under_load_keeps_every_staged_job_and_its_route(
     db_url: str, suffix: str, spawn: Any, tmp_path: Path
 ) -> None:
-    support.as_before_no_queue_was_null(db_url)
+    support.as_an_older_schema(db_url)
     env = support.drain_env(db_url, ROUTING_APP_SUFFIX=suffix)
     spawn(support.drain_argv("run", "--app", "tests.routing_app", "--poll-interval", "0.2"),
           env, "drain")
@@ -62,6 +61,13 @@ def test_migrate_under_load_keeps_every_staged_job_and_its_route(
         migrated = support.run_cli(db_url, "migrate", env=env)
         took = time.monotonic() - started
         assert migrated.returncode == 0, migrated.stderr
+        # The upgrade also added the embed column, under the running drain: a job
+        # staged with a callback now is sent with it.
+        app = routing_app.create(suffix)
+        with psycopg.connect(db_url) as conn:
+            linked = drain.stage(conn, app.tasks["orders.process"].s(vip=False).set(
+                link=app.tasks["mail.send"].s()))
+        app.close()
         out, _ = writers.communicate(timeout=SECONDS + 60)
     finally:
         if writers.poll() is None:
@@ -88,7 +94,10 @@ def test_migrate_under_load_keeps_every_staged_job_and_its_route(
     ids = support.task_ids(messages)
     print(f"{jobs} jobs ({before} before the upgrade), migrate took {took:.2f}s, writers' "
           f"latency average {latency.group(1) if latency else '?'} ms")
-    assert len(ids) == jobs, f"{len(ids)} messages for {jobs} jobs"
-    assert len(set(ids)) == jobs, "a job was published twice"
+    assert len(ids) == jobs + 1, f"{len(ids)} messages for {jobs} jobs and the linked one"
+    assert len(set(ids)) == jobs + 1, "a job was published twice"
+    [body] = [json.loads(body) for _, props, body in messages
+              if props.headers["id"] == str(linked)]
+    assert [c["task"] for c in body[2]["callbacks"]] == ["mail.send"]
     with psycopg.connect(db_url) as conn:
         assert conn.execute("SELECT count(*) FROM dead_jobs").fetchone() == (0,)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import re
 import uuid
 from collections.abc import Iterator
@@ -10,10 +11,11 @@ from typing import Any
 
 import psycopg
 import pytest
-from celery import Celery, chain, group
+from celery import Celery, chain, chord, group
 
 import drain
 from drain.celery_task import StagingTask
+from tests import support
 
 
 @pytest.fixture
@@ -65,19 +67,88 @@ def test_a_signature_stages_as_its_apply_async_would_send_it(db_url: str, app: C
 
 
 @pytest.mark.parametrize(("build", "says"), [
-    (lambda t: chain(t.s(1, 2), t.s(3)), "a chain cannot be staged yet"),
-    (lambda t: group(t.s(1, 2), t.s(3, 4)), "a group cannot be staged yet"),
-    (lambda t: t.s(1, 2).set(link=t.s(9)), "link callbacks cannot be staged yet"),
-    (lambda t: t.s(1, 2).set(link_error=t.s(9)), "link_error callbacks cannot be staged"),
+    (lambda t: group(t.s(1, 2), t.s(3, 4)), "a group cannot be staged"),
+    (lambda t: chord([t.s(1, 2)], t.s(3)), "a chord cannot be staged"),
+    (lambda t: t.s(1, 2) | group(t.s(3), t.s(4)), "a chain with a group in it cannot be staged"),
+    (lambda t: chain(t.s(1, 2), chain(t.s(0), group(t.s(3), t.s(5)))),
+     "a chain with a group in it cannot be staged"),
+    (lambda t: t.s(1, 2).set(link=group(t.s(9))), "a group as a link cannot be staged"),
+    (lambda t: chain(), "an empty chain cannot be staged"),
+    (lambda t: dict(t.s(1, 2) | t.s(3)), "pass the chain itself"),
     (lambda t: t.s(1, 2).set(routing_key="x"), "option(s) ['routing_key'] cannot be staged"),
-], ids=["chain", "group", "link", "link_error", "routing_key"])
-def test_what_cannot_be_staged_yet_is_refused_and_stages_nothing(
+], ids=["group", "chord", "chain-group", "nested-chain-group", "link-group", "empty-chain",
+        "chain-as-dict", "routing_key"])
+def test_what_cannot_be_staged_is_refused_and_stages_nothing(
     db_url: str, app: Celery, build: Any, says: str
 ) -> None:
     with psycopg.connect(db_url) as conn, pytest.raises(drain.StagingError,
                                                          match=re.escape(says)):
         drain.stage(conn, build(app.tasks["t.add"]))
     assert _rows(db_url) == []
+
+
+def _embed(db_url: str) -> list[Any]:
+    with psycopg.connect(db_url) as conn:
+        return [r[0] for r in conn.execute("SELECT embed FROM staged_jobs ORDER BY id")]
+
+
+def test_callbacks_are_staged_with_the_job(db_url: str, app: Celery) -> None:
+    add = app.tasks["t.add"]
+    with psycopg.connect(db_url) as conn:
+        drain.stage(conn, add.s(1, 2).set(link=add.s(10), link_error=[add.si(0, 0), add.s(1)]))
+        drain.stage(conn, add.s(3, 4))  # no callbacks: no embed
+        add.stage_with(conn, [5, 6], link=add.s(7))
+    first, plain, third = _embed(db_url)
+    assert plain is None
+    assert first == {
+        "callbacks": [json.loads(json.dumps(add.s(10)))],
+        "errbacks": [json.loads(json.dumps(add.si(0, 0))), json.loads(json.dumps(add.s(1)))],
+        "chain": None, "chord": None}
+    assert [c["task"] for c in third["callbacks"]] == ["t.add"]
+    assert third["callbacks"][0]["args"] == [7]
+
+
+def test_a_chain_stages_its_first_task_with_the_rest_to_follow(db_url: str, app: Celery) -> None:
+    add = app.tasks["t.add"]
+    canvas = add.s(1, 2) | chain(add.s(3), add.s(4)) | add.s(5).set(countdown=9)
+    frozen = canvas.freeze()  # the chain's result: its last task's id
+    with psycopg.connect(db_url) as conn:
+        first_id = drain.stage(conn, canvas.set(link_error=add.si(0, 0), priority=2))
+    [row] = _rows(db_url)
+    [embed] = _embed(db_url)
+    assert (row["task_name"], row["args"], row["priority"]) == ("t.add", [1, 2], 2)
+    assert row["task_id"] == first_id
+    # The rest, last task first, as Celery's chain sends it; each with its task id.
+    rest = embed["chain"]
+    assert [(t["task"], t["args"]) for t in rest] == [("t.add", [5]), ("t.add", [4]),
+                                                      ("t.add", [3])]
+    assert rest[0]["options"]["task_id"] == frozen.id
+    assert rest[0]["options"]["countdown"] == 9
+    assert len({t["options"]["task_id"] for t in rest} | {str(first_id)}) == 4
+    # The chain's link_error goes to every task.
+    assert embed["errbacks"] == [json.loads(json.dumps(add.si(0, 0)))]
+    assert all(t["options"]["link_error"] == embed["errbacks"] for t in rest)
+    assert embed["callbacks"] is None
+
+
+def test_a_database_not_yet_upgraded_takes_jobs_staged_by_name(db_url: str, app: Celery) -> None:
+    """A database `drain migrate` has not upgraded yet (no embed column, queue NOT
+    NULL DEFAULT 'celery') still takes jobs staged by name and plain signatures, a
+    job without a queue as 'celery', as it read there; callbacks and chains need
+    the column."""
+    support.as_an_older_schema(db_url)
+    add = app.tasks["t.add"]
+    with psycopg.connect(db_url) as conn:
+        drain.stage(conn, "t.add", [1, 2])
+        drain.stage(conn, add.s(3, 4))
+        drain.stage_many(conn, [drain.Job("t.add", [5, 6]), drain.Job("t.add", [7, 8])])
+        drain.stage(conn, "t.add", [9, 9], queue="q")
+    assert [(r["args"], r["queue"]) for r in _rows(db_url)] == [
+        ([1, 2], "celery"), ([3, 4], "celery"), ([5, 6], "celery"), ([7, 8], "celery"),
+        ([9, 9], "q")]
+    with psycopg.connect(db_url) as conn, pytest.raises(psycopg.errors.UndefinedColumn,
+                                                         match="embed"):
+        drain.stage(conn, add.s(1, 2) | add.s(3))
 
 
 def test_a_signature_takes_no_other_arguments(db_url: str, app: Celery) -> None:

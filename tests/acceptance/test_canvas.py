@@ -1,0 +1,165 @@
+"""Signatures with callbacks, and chains, staged through drain: sent as ``apply_async``
+sends them, and run by a real Celery worker to their end.
+
+The app is tests/routing_app.py (its ``canvas.*`` tasks go to its default
+queue); the drain runs as ``drain run --app tests.routing_app``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from celery import Celery, chain
+
+import drain
+from tests import messages, routing_app, support
+
+
+@pytest.fixture
+def suffix() -> Iterator[str]:
+    value = uuid.uuid4().hex[:10]
+    yield value
+    routing_app.delete_entities(value)
+
+
+@pytest.fixture
+def app(suffix: str) -> Iterator[Celery]:
+    built = routing_app.create(suffix)
+    yield built
+    built.close()
+
+
+def _env(db_url: str, suffix: str) -> dict[str, str]:
+    return support.drain_env(db_url, ROUTING_APP_SUFFIX=suffix, ROUTING_APP_DATABASE_URL=db_url)
+
+
+def _canvases(app: Celery, suffix: str) -> dict[str, Any]:
+    """Each case's canvas; chains frozen, so that drain and apply_async send the
+    same task ids."""
+    add, fail, on_error = (app.tasks[f"canvas.{n}"] for n in ("add", "fail", "on_error"))
+    quorum = routing_app.names(suffix)["quorum"]
+    cases: dict[str, Any] = {
+        "link": add.s(1, 2).set(link=add.s(10), link_error=on_error.s()),
+        "link-queue": add.s(2, 2).set(queue=quorum, link=[add.s(1), add.si(5, 5)]),
+        "chain": (add.s(1, 2) | chain(add.s(3), add.s(4))).set(link_error=on_error.s()),
+        "chain-link": (add.s(3, 3) | fail.s()).set(link=add.s(7)),
+        "single-chain": chain(add.s(7, 1)),
+    }
+    for canvas in cases.values():
+        if canvas["subtask_type"] == "chain":
+            canvas.freeze()
+    return cases
+
+
+def test_each_canvas_is_sent_as_apply_async_sends_it(
+    db_url: str, suffix: str, app: Celery
+) -> None:
+    cases = _canvases(app, suffix)
+    staged: dict[str, str] = {}
+    with psycopg.connect(db_url) as conn:
+        for name, canvas in cases.items():
+            staged[str(drain.stage(conn, canvas))] = name
+    run = support.run_cli(db_url, "run", "--app", "tests.routing_app", "--exit-when-empty",
+                          env=_env(db_url, suffix))
+    assert run.returncode == 0, run.stderr
+    n = routing_app.names(suffix)
+    queues = {n["default"], n["quorum"]}
+    ours = messages.collect(queues, len(cases))
+
+    for task_id, name in staged.items():
+        canvas = cases[name]
+        if canvas["subtask_type"] == "chain":
+            canvas.apply_async()  # frozen: the first task has the staged id
+        else:
+            canvas.apply_async(task_id=task_id)
+    theirs = messages.collect(queues, len(cases))
+    assert set(theirs) == set(ours)
+
+    problems = []
+    for task_id, name in staged.items():
+        # A signature keeps its args as a tuple, which Celery's argsrepr shows as
+        # "(1, 2)"; staged args are JSON, shown as apply_async(args=[1, 2]) shows
+        # them: "[1, 2]" (a header for logs only; the body's args are the same).
+        problems += [f"{name}: {d}" for d in messages.differences(
+            ours[task_id], theirs[task_id], body_as_json=True)
+            if not d.startswith("header argsrepr: ")]
+    assert not problems, "\n".join(problems)
+    assert ours[next(t for t, name in staged.items() if name == "link-queue")][0] == n["quorum"]
+
+
+def _runs(db_url: str) -> list[tuple[str, str, Any, str | None, str | None]]:
+    with psycopg.connect(db_url) as conn:
+        if conn.execute("SELECT to_regclass('canvas_runs')").fetchone() == (None,):
+            return []
+        return conn.execute("SELECT * FROM canvas_runs").fetchall()
+
+
+def _wait_runs(db_url: str, what: str,
+               done: Callable[[list[tuple[str, str, Any, str | None, str | None]]], bool],
+               ) -> list[tuple[str, str, Any, str | None, str | None]]:
+    def check() -> list[tuple[str, str, Any, str | None, str | None]] | None:
+        runs = _runs(db_url)
+        return runs if done(runs) else None
+
+    try:
+        found: list[tuple[str, str, Any, str | None, str | None]] = support.wait_for(
+            check, 60, what)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the tasks that ran: {_runs(db_url)}") from None
+    return found
+
+
+def test_a_celery_worker_runs_chains_and_callbacks_to_their_end(
+    db_url: str, suffix: str, app: Celery, spawn: Any
+) -> None:
+    env = _env(db_url, suffix)
+    default = routing_app.names(suffix)["default"]
+    worker = spawn([*support.celery_argv(default)[:3], "-A", "tests.routing_app", "worker",
+                    "-Q", default, "-P", "threads", "-c", "1", "--without-gossip",
+                    "--without-mingle", "-l", "info", "-n", f"cv{suffix}@%h"], env, "worker")
+    worker.wait_for_output("ready.", timeout=60)
+    spawn(support.drain_argv("run", "--app", "tests.routing_app", "--poll-interval", "0.2"),
+          env, "drain")
+    add, fail, on_error = (app.tasks[f"canvas.{n}"] for n in ("add", "fail", "on_error"))
+
+    three = add.s(1, 2) | add.s(3) | add.s(4)
+    last = three.freeze()
+    broken = (add.s(1, 1) | fail.s() | add.s(100)).set(link_error=on_error.s())
+    with psycopg.connect(db_url) as conn:
+        first = drain.stage(conn, three)
+        linked = drain.stage(conn, add.s(5, 5).set(link=add.s(1)))
+        failed = drain.stage(conn, fail.s(1).set(link_error=on_error.s()))
+        drain.stage(conn, broken)
+
+    def finished(runs: list[tuple[str, str, Any, str | None, str | None]]) -> bool:
+        given = [r[2] for r in runs]
+        return [6, 4] in given and [10, 1] in given and sum(
+            r[1] == "canvas.on_error" for r in runs) >= 2
+
+    runs = _wait_runs(db_url, "the chains and callbacks to run", finished)
+    by_given = {(r[1], tuple(r[2])): r for r in runs}
+    # The chain ran in order, each step with the one before's result, under its id.
+    step1, step2, step3 = (by_given[("canvas.add", g)] for g in ((1, 2), (3, 3), (6, 4)))
+    assert step1[0] == str(first) and step3[0] == last.id
+    assert (step2[3], step3[3]) == (step1[0], step2[0])  # parent ids
+    assert {step1[4], step2[4], step3[4]} == {str(first)}  # root id
+    # link: the callback got the result; link_error: the errback got the failure.
+    assert by_given[("canvas.add", (10, 1))][3] == str(linked)
+    errbacks = [r[2] for r in runs if r[1] == "canvas.on_error"]
+    assert [str(failed), "canvas.fail failed on purpose"] in errbacks
+    # A chain stops at the failed task; its link_error fired for that task.
+    broken_fail = next(r for r in runs if r[1] == "canvas.fail" and r[2] == [2])
+    assert [broken_fail[0], "canvas.fail failed on purpose"] in errbacks
+
+    # Nothing more comes of the broken chain: a job staged after it runs, alone.
+    with psycopg.connect(db_url) as conn:
+        drain.stage(conn, add.s(1000, 1))
+    runs = _wait_runs(db_url, "the job staged last to run",
+                      lambda runs: any(r[2] == [1000, 1] for r in runs))
+    assert not [r for r in runs if 100 in r[2]]
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT count(*) FROM staged_jobs").fetchone() == (0,)
