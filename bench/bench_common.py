@@ -62,8 +62,25 @@ def declare_queue(queue: str) -> None:
         channel.queue_declare(queue, durable=True)
 
 
-def stage(url: str, n: int, queue: str | None) -> None:
-    """``n`` jobs for ``queue`` (None: no queue given, for the app to route)."""
+def declare_routed(queue: str) -> None:
+    """``queue`` behind a durable direct exchange of the same name, bound by its
+    name: what a Celery app declares for a queue named in ``task_routes``."""
+    with broker_channel() as channel:
+        channel.exchange_declare(queue, "direct", durable=True)
+        channel.queue_declare(queue, durable=True)
+        channel.queue_bind(queue, queue, routing_key=queue)
+
+
+def delete_routed(queue: str) -> None:
+    with broker_channel() as channel:
+        channel.queue_delete(queue)
+        channel.exchange_delete(queue)
+
+
+def stage(url: str, n: int, queue: str | None, *, vacuum: bool = False) -> None:
+    """``n`` jobs for ``queue`` (None: no queue given, for the app to route);
+    ``vacuum``: then VACUUM the table, so that a round does not inherit the dead
+    rows of the one before it (each round starts from the same table)."""
     with psycopg.connect(url) as conn:
         drain.stage_many(
             conn,
@@ -72,6 +89,9 @@ def stage(url: str, n: int, queue: str | None) -> None:
                 for i in range(n)
             ),
         )
+    if vacuum:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("VACUUM (ANALYZE) staged_jobs")
 
 
 def staged_count(url: str) -> int:

@@ -18,7 +18,13 @@ each into its own fresh durable queue (deleted afterwards):
 4. the drain with ``--app`` (``--apps``, default both): rows staged without a
    queue, routed by a Celery app (bench/bench_app.py) with plain mapping
    ``task_routes`` (cached per task) and with a router function (called per
-   row), to the same kind of queue as the others.
+   row), to the same kind of queue as the others, through the direct exchange
+   Celery declares for it. They are quoted against raw pika through such an
+   exchange too (pre-encoded, at the round's best window): a named exchange
+   costs RabbitMQ more than the default one, whoever publishes.
+
+Every drain round starts from a vacuumed table (the rows are staged, then
+``VACUUM``), so that none inherits the dead rows of the round before it.
 
 Raw pika and the drain alternate for ``--rounds`` rounds; medians are reported.
 The goal: the drain at >= 0.9 x the raw rate and >= 8 x Celery, on a
@@ -58,40 +64,43 @@ from bench_common import (
     BROKER_URL,
     ROOT,
     declare_queue,
+    declare_routed,
     delete_queue,
+    delete_routed,
     drop_database,
     fresh_database,
-    queue_depth,
     stage,
     write_results,
 )
 from pika.adapters.select_connection import SelectConnection
+from throughput_apps import (
+    APPS,
+    GOAL_JOBS,
+    GOAL_X_RAW,
+    ROUTED,
+    app_round,
+    app_rows,
+    parse_apps,
+    print_ratios,
+    run_drain,
+)
 from throughput_profile import print_profile, profile_drain
 
 from drain import config, message
 from drain.amqp import EncodedProperties
-from drain.config import Settings
-from drain.runner import Drain
 from drain.urls import broker_parameters
 
 WINDOW = 1000
 #: The goal: a backlog this large, drained at these multiples of raw pika and Celery.
-GOAL_JOBS = 200_000
-GOAL_X_RAW = 0.9
 GOAL_X_CELERY = 8.0
 RAW = "raw pika, pipelined confirms (window 1000)"
 ENCODED = "raw pika, pre-encoded properties (as the drain)"
 CELERY = "celery send_task, confirm_publish=True"
-#: The --app rounds: bench/bench_app.py's apps.
-APPS = {
-    "static": "drain run --app, static task_routes (cached per task)",
-    "function": "drain run --app, a router function (called per row)",
-}
-
-
 def raw_pika(messages: list[message.Message], *, pre_encoded: bool = False,
-             window: int = WINDOW) -> float:
+             window: int = WINDOW, routed_to: str = "") -> float:
     """Publish with a sliding window of ``window`` unconfirmed messages; returns seconds.
+    ``routed_to``: through that direct exchange to its queue (:func:`declare_routed`),
+    as the --app rounds publish, instead of the default exchange.
 
     ``pre_encoded`` hands pika the drain's precomputed property bytes instead of
     letting pika encode ``BasicProperties`` itself: the same wire bytes with less
@@ -107,7 +116,8 @@ def raw_pika(messages: list[message.Message], *, pre_encoded: bool = False,
                 EncodedProperties(m.encoded_properties) if pre_encoded
                 else pika.BasicProperties(headers=m.headers, **m.properties)
             )
-            channel.basic_publish("", m.routing_key, m.body, properties, mandatory=True)
+            channel.basic_publish(routed_to, routed_to or m.routing_key, m.body, properties,
+                                  mandatory=True)
             state["next"] += 1
             state["outstanding"] += 1
 
@@ -142,6 +152,18 @@ def raw_pika(messages: list[message.Message], *, pre_encoded: bool = False,
     return float(state["t1"] - state["t0"])
 
 
+def routed_round(messages: list[message.Message], queue: str,
+                 encoded_times: dict[int, list[float]]) -> float:
+    """Raw pika through a direct exchange to ``queue``, pre-encoded, at the window
+    that was best in this round; its seconds."""
+    best = min(encoded_times, key=lambda w: encoded_times[w][-1])
+    declare_routed(queue)
+    try:
+        return raw_pika(messages, pre_encoded=True, window=best, routed_to=queue)
+    finally:
+        delete_routed(queue)
+
+
 def celery_send_task(n: int, queue: str) -> float:
     from celery import Celery
 
@@ -157,29 +179,6 @@ def celery_send_task(n: int, queue: str) -> float:
     return elapsed
 
 
-def app_round(url: str, n: int, queue: str, app: str, *, size: tuple[int, int],
-              cpu_used: dict[str, list[dict[str, float]]]) -> float:
-    """One drain round with ``--app bench_app:APP``: ``n`` rows staged without a
-    queue, routed by the app to ``queue``; its seconds."""
-    stage(url, n, None)
-    declare_queue(queue)
-    before = cpu.sample()
-    elapsed, published = run_drain(url, *size, app=f"bench_app:{app}")
-    cpu_used[APPS[app]].append(cpu.per_message(before, cpu.sample(), n))
-    assert published == n, (published, n)
-    assert queue_depth(queue) == n, "the app routed jobs elsewhere"
-    delete_queue(queue)
-    return elapsed
-
-
-def parse_apps(text: str) -> list[str]:
-    """``--apps static,function`` ('' for none)."""
-    apps = [a for a in text.split(",") if a]
-    if set(apps) - set(APPS):
-        raise argparse.ArgumentTypeError(f"choose from {', '.join(APPS)}, got {text!r}")
-    return apps
-
-
 def smoke(args: argparse.Namespace) -> None:
     """--smoke: tiny sizes, one round, no profile."""
     if args.profile:
@@ -192,15 +191,6 @@ def parse_setting(text: str) -> tuple[int, int]:
     """``"1000x3"``: batch size 1000, pipeline 3."""
     batch, _, pipeline = text.partition("x")
     return int(batch), int(pipeline or config.DEFAULT_PIPELINE)
-
-
-def run_drain(url: str, batch_size: int, pipeline: int, app: str = "") -> tuple[float, int]:
-    d = Drain(Settings(database_url=url, broker_url=BROKER_URL, batch_size=batch_size,
-                       pipeline=pipeline, celery_app=app),
-              exit_when_empty=True)
-    t0 = time.perf_counter()
-    d.run()
-    return time.perf_counter() - t0, d.published
 
 
 # -- results ----------------------------------------------------------------------------
@@ -238,23 +228,6 @@ def summary_rows(n: int, drain_rate: float, raw_rate: float, celery_rate: float)
          "measured": f"{x_celery:.1f} x ({drain_rate:,.0f} vs {celery_rate:,.0f} msg/s){size}",
          "met": (x_celery >= GOAL_X_CELERY) if at_goal_size else None},
     ]
-
-
-def app_rows(n: int, app_rates: dict[str, float], raw_rate: float) -> list[dict[str, Any]]:
-    """The --app rows: static routes have the drain's goal; a router function is reported."""
-    at_goal_size = n >= GOAL_JOBS
-    size = "" if at_goal_size else f" (at {n:,} jobs: not the goal's size)"
-    rows = []
-    for app, rate in app_rates.items():
-        static = app == "static"
-        rows.append({
-            "target": f"throughput with --app ({'static routes' if static else 'router function'})",
-            "goal": (f">= {GOAL_X_RAW} x raw pika" if static
-                     else "reported (the router runs per row)"),
-            "measured": f"{rate / raw_rate:.2f} x ({rate:,.0f} vs {raw_rate:,.0f} msg/s){size}",
-            "met": (rate / raw_rate >= GOAL_X_RAW) if static and at_goal_size else None,
-        })
-    return rows
 
 
 def print_overhead(rates: dict[str, float], drain_rate: float) -> None:
@@ -312,6 +285,7 @@ def main() -> int:
     os.environ["BENCH_APP_QUEUE"] = queues["app"]
     apps: list[str] = args.apps
     app_times: dict[str, list[float]] = {a: [] for a in apps}
+    routed_times: list[float] = []
     results: dict[str, tuple[int, float]] = {}
     quoted = (args.batch_size, args.pipeline)
     sizes = list(dict.fromkeys([
@@ -348,6 +322,25 @@ def main() -> int:
         # of drain CPU per message, a cost of the benchmark, not of the drain.
         gc.collect()
         gc.freeze()
+        def plain_rounds() -> None:
+            for size in sizes:
+                stage(url, n, queues["drain"], vacuum=True)
+                declare_queue(queues["drain"])
+                before = cpu.sample()
+                elapsed, published = run_drain(url, *size)
+                cpu_used[names[size]].append(cpu.per_message(before, cpu.sample(), n))
+                assert published == n, (published, n)
+                drain_times[size].append(elapsed)
+                delete_queue(queues["drain"])
+
+        def app_rounds() -> None:
+            # Their ceiling: raw pika through the same kind of exchange.
+            routed_times.extend([routed_round(messages, queues["app"], encoded_times)]
+                                if apps else [])
+            for app in apps:
+                app_times[app].append(app_round(url, n, queues["app"], app, size=quoted,
+                                                cpu_used=cpu_used))
+
         for round_ in range(args.rounds):
             declare_queue(queues["raw"])
             raw_times.append(raw_pika(messages))
@@ -361,33 +354,28 @@ def main() -> int:
                     cpu.per_message(before, cpu.sample(), n))
                 delete_queue(queues["raw"])
 
-            for size in sizes:
-                stage(url, n, queues["drain"])
-                declare_queue(queues["drain"])
-                before = cpu.sample()
-                elapsed, published = run_drain(url, *size)
-                cpu_used[names[size]].append(cpu.per_message(before, cpu.sample(), n))
-                assert published == n, (published, n)
-                drain_times[size].append(elapsed)
-                delete_queue(queues["drain"])
-            for app in apps:
-                app_times[app].append(app_round(url, n, queues["app"], app, size=quoted,
-                                                cpu_used=cpu_used))
+            # The drain rounds and the --app rounds take turns going first, so that
+            # neither always runs on a machine the other has just warmed or tired.
+            parts = [plain_rounds, app_rounds]
+            for part in parts if round_ % 2 == 0 else parts[::-1]:
+                part()
             sweep = ", ".join(f"{w}: {n / t[-1]:.0f}" for w, t in encoded_times.items())
             print(f"round {round_ + 1}: raw {n / raw_times[-1]:.0f} msg/s, "
                   f"raw pre-encoded by window {{{sweep}}} msg/s, "
                   "drain by batch x pipeline {"
                   + ", ".join(f"{b}x{p}: {n / t[-1]:.0f}" for (b, p), t in drain_times.items())
                   + "} msg/s"
-                  + "".join(f", --app {a} {n / t[-1]:.0f} msg/s" for a, t in app_times.items()),
+                  + "".join(f", --app {a} {n / t[-1]:.0f} msg/s" for a, t in app_times.items())
+                  + "".join(f", raw via exchange {n / t:.0f} msg/s" for t in routed_times[-1:]),
                   file=sys.stderr)
-        del messages
+        messages.clear()  # 200,000 messages: free them before the Celery round
         results[RAW] = (n, statistics.median(raw_times))
         for window, times in encoded_times.items():
             results[f"{ENCODED}, window {window}"] = (n, statistics.median(times))
         for size, times in drain_times.items():
             results[names[size]] = (n, statistics.median(times))
         results.update({APPS[a]: (n, statistics.median(t)) for a, t in app_times.items()})
+        results.update({ROUTED: (n, statistics.median(routed_times))} if routed_times else {})
 
         cn = min(args.celery_jobs, n)
         results[CELERY] = (cn, celery_send_task(cn, queues["celery"]))
@@ -402,10 +390,12 @@ def main() -> int:
         for q in queues.values():
             with contextlib.suppress(Exception):
                 delete_queue(q)
+        with contextlib.suppress(Exception):
+            delete_routed(queues["app"])  # the app's exchange, declared by the drain
         drop_database(db)
 
     rates = {name: count / seconds for name, (count, seconds) in results.items()}
-    raw_names = [name for name in rates if name.startswith("raw pika")]
+    raw_names = [name for name in rates if name.startswith("raw pika") and name != ROUTED]
     best_raw = max(raw_names, key=lambda name: rates[name])
     ceiling = rates[best_raw]
     celery = rates[CELERY]
@@ -422,6 +412,7 @@ def main() -> int:
     print(f"drain / raw ceiling = {drain_rate / ceiling:.2f} (goal >= {GOAL_X_RAW}), "
           f"drain / celery = {drain_rate / celery:.1f} (goal >= {GOAL_X_CELERY:g})")
     print_overhead(rates, drain_rate)
+    print_ratios(rates, apps)
     cpu_medians = {name: {key: statistics.median(run[key] for run in runs) for key in runs[0]}
                    for name, runs in cpu_used.items()}
     print_cpu(cpu_medians, rates)
@@ -429,7 +420,7 @@ def main() -> int:
         print_profile(profile)
 
     summary = summary_rows(n, drain_rate, ceiling, celery)
-    summary += app_rows(n, {app: rates[APPS[app]] for app in apps}, ceiling)
+    summary += app_rows(n, {app: rates[APPS[app]] for app in apps}, rates.get(ROUTED, ceiling))
     path = write_results({
         "name": "throughput-smoke" if args.smoke else "throughput",
         "summary": [{**row, "met": None} for row in summary] if args.smoke else summary,
@@ -448,6 +439,7 @@ def main() -> int:
                 "drain": {f"{b}x{p}": [round(n / t) for t in times]
                           for (b, p), times in drain_times.items()},
                 "drain_app": {a: [round(n / t) for t in times] for a, times in app_times.items()},
+                "raw_through_exchange": [round(n / t) for t in routed_times],
             },
             "drain_x_raw": round(drain_rate / ceiling, 3),
             "ceiling": best_raw,
