@@ -42,13 +42,26 @@ def names(suffix: str) -> dict[str, str]:
     return found
 
 
+#: What a worker of an app with a quorum queue declares for Celery's native
+#: delayed delivery (Celery 5.5+, celery/worker/consumer/delayed_delivery.py):
+#: one quorum queue and topic exchange per level, and the exchange in front.
+DELAYED_LEVELS = 28
+DELAYED_EXCHANGE = "celery_delayed_delivery"
+
+
 def delete_entities(suffix: str) -> None:
-    """Delete the app's queues and exchanges for ``suffix`` (a test's clean-up)."""
+    """Delete the app's queues and exchanges for ``suffix`` (a test's clean-up), and
+    the delayed-delivery queues and exchanges its worker declared (global names,
+    declared again by the next such worker)."""
     with support.broker_channel() as ch:
         for role, name in names(suffix).items():
             if role != "topic":
                 ch.queue_delete(name)
             ch.exchange_delete(name)
+        for level in range(DELAYED_LEVELS):
+            ch.queue_delete(f"celery_delayed_{level}")
+            ch.exchange_delete(f"celery_delayed_{level}")
+        ch.exchange_delete(DELAYED_EXCHANGE)
 
 
 def create(suffix: str) -> Celery:
