@@ -7,30 +7,14 @@ queue); the drain runs as ``drain run --app tests.routing_app``.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
-import pytest
 from celery import Celery, chain
 
 import drain
 from tests import messages, routing_app, support
-
-
-@pytest.fixture
-def suffix() -> Iterator[str]:
-    value = uuid.uuid4().hex[:10]
-    yield value
-    routing_app.delete_entities(value)
-
-
-@pytest.fixture
-def app(suffix: str) -> Iterator[Celery]:
-    built = routing_app.create(suffix)
-    yield built
-    built.close()
 
 
 def _env(db_url: str, suffix: str) -> dict[str, str]:

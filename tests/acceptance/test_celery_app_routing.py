@@ -9,31 +9,13 @@ The drain runs as ``drain run --app tests.routing_app``, as a user runs it.
 from __future__ import annotations
 
 import json
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
-import pytest
 from celery import Celery
 
 import drain
 from tests import messages, routing_app, support
-
-
-@pytest.fixture
-def suffix() -> Iterator[str]:
-    """This test's suffix for the app's queue and exchange names; deleted afterwards."""
-    value = uuid.uuid4().hex[:10]
-    yield value
-    routing_app.delete_entities(value)
-
-
-@pytest.fixture
-def app(suffix: str) -> Iterator[Celery]:
-    built = routing_app.create(suffix)
-    yield built
-    built.close()
 
 
 def cases(suffix: str) -> list[tuple[str, list[Any], dict[str, Any], dict[str, Any], str]]:

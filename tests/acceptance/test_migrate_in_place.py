@@ -15,26 +15,16 @@ import json
 import re
 import subprocess
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
-import pytest
 
 import drain
 from tests import routing_app, support
 
 RATE = 300  # jobs per second, in all
 SECONDS = 12
-
-
-@pytest.fixture
-def suffix() -> Iterator[str]:
-    value = uuid.uuid4().hex[:10]
-    yield value
-    routing_app.delete_entities(value)
 
 
 def test_migrate_under_load_keeps_every_staged_job_and_its_route(
