@@ -57,8 +57,6 @@ def from_signature(signature: Mapping[str, Any]) -> dict[str, Any]:
     if kind:
         raise StagingError(f"a {kind} cannot be staged: " + _REFUSE_CANVAS.format(kind=kind))
     options = dict(signature.get("options") or {})
-    for sender in _SENDER_OPTIONS:
-        options.pop(sender, None)
     return _staged(signature.get("task"), signature.get("args") or (),
                    signature.get("kwargs") or None, options)
 
@@ -94,8 +92,6 @@ def _from_chain(chain: Any) -> dict[str, Any]:
     # apply_async(**options) on the first task: the chain's options over its own.
     merged = {**dict(first.options), **{k: v for k, v in options.items() if v is not None}}
     merged["chain"] = [*(merged.get("chain") or ()), *tasks]
-    for sender in _SENDER_OPTIONS:
-        merged.pop(sender, None)
     return _staged(first.get("task"), first.get("args") or (), first.get("kwargs") or None,
                    merged)
 
@@ -114,6 +110,8 @@ def _groups_in(chain: Any) -> set[str]:
 
 def _staged(name: Any, args: Any, kwargs: Any, options: dict[str, Any]) -> dict[str, Any]:
     """stage()'s arguments for task ``name`` sent with these apply_async ``options``."""
+    for sender in _SENDER_OPTIONS:
+        options.pop(sender, None)
     callbacks = _listed(options.pop("link", None))
     errbacks = _listed(options.pop("link_error", None))
     chain = options.pop("chain", None)
