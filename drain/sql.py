@@ -51,11 +51,6 @@ def without_embed(name: str) -> str:
     return text
 
 
-def uses_embed(name: str) -> bool:
-    """Whether the query ``name`` reads or writes an embed column."""
-    return without_embed(name) != queries()[name]
-
-
 def schema_text() -> str:
     """The staging schema: the wheel's copy, or the repository's canonical file."""
     packaged = resources.files("drain").joinpath("staging_schema.sql")
