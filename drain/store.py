@@ -88,7 +88,7 @@ class Store(Session):
         self._wake = {"class": wakeup.WAKE_CLASS, "key": table}
         self._queue_given_from = queue_given_from(conn)
         self._mark_read_at = time.monotonic()
-        self._embed = bool(conn.execute(sql.query("embed_present")).fetchone() == (True,))
+        self._embed = self._ask("embed_present")
 
     def close(self) -> None:
         """Close the session; this also releases the locks and rolls back a batch."""
