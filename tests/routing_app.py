@@ -98,28 +98,25 @@ def create(suffix: str) -> Celery:
         ],
     )
 
-    def record(task: Task, args: Any, kwargs: Any) -> None:
+    def insert(table: str, columns: str, values: tuple[Any, ...]) -> None:
+        """A row in ``table`` of the test's database (ROUTING_APP_DATABASE_URL)."""
         url = os.environ.get("ROUTING_APP_DATABASE_URL")
         if not url:
             return
-        info = task.request.delivery_info or {}
         with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute("CREATE TABLE IF NOT EXISTS routing_runs (task_id text, task_name "
-                         "text, exchange text, routing_key text)")
-            conn.execute("INSERT INTO routing_runs VALUES (%s, %s, %s, %s)",
-                         (task.request.id, task.name, info.get("exchange"),
-                          info.get("routing_key")))
+            conn.execute(f"CREATE TABLE IF NOT EXISTS {table} ({columns})")
+            conn.execute(f"INSERT INTO {table} VALUES ({', '.join(['%s'] * len(values))})",
+                         values)
+
+    def record(task: Task, args: Any, kwargs: Any) -> None:
+        info = task.request.delivery_info or {}
+        insert("routing_runs", "task_id text, task_name text, exchange text, routing_key text",
+               (task.request.id, task.name, info.get("exchange"), info.get("routing_key")))
 
     def record_canvas(name: str, given: Any, request: Any) -> None:
-        url = os.environ.get("ROUTING_APP_DATABASE_URL")
-        if not url:
-            return
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute("CREATE TABLE IF NOT EXISTS canvas_runs (task_id text, task_name "
-                         "text, given jsonb, parent_id text, root_id text)")
-            conn.execute("INSERT INTO canvas_runs VALUES (%s, %s, %s, %s, %s)",
-                         (request.id, name, json.dumps(given), request.parent_id,
-                          request.root_id))
+        insert("canvas_runs",
+               "task_id text, task_name text, given jsonb, parent_id text, root_id text",
+               (request.id, name, json.dumps(given), request.parent_id, request.root_id))
 
     @app.task(name="canvas.add", bind=True, shared=False)
     def canvas_add(self: Task, x: int, y: int = 0) -> int:
