@@ -46,6 +46,12 @@ CREATE TABLE IF NOT EXISTS staged_jobs (
     -- app would (task_routes, the task's queue, task_default_queue); without
     -- --app it goes to 'celery', Celery's own default.
     queue     text,
+    -- True only for a row staged before `drain migrate` made "no queue given"
+    -- NULL, when the column was NOT NULL DEFAULT 'celery': its 'celery' may
+    -- mean "no queue given", and `drain run --app` routes it as the app would.
+    -- Any other row says what it gave, whatever its id: 'celery' is
+    -- apply_async(queue='celery'). Carried through dead_jobs and requeue.
+    queue_legacy boolean NOT NULL DEFAULT false,
     staged_at timestamptz NOT NULL DEFAULT now(),
 
     -- Rows that could never become a valid Celery message are refused at
@@ -238,6 +244,8 @@ CREATE TABLE IF NOT EXISTS dead_jobs (
     args       jsonb       NOT NULL,
     kwargs     jsonb       NOT NULL,
     queue      text,
+    -- staged_jobs.queue_legacy, kept for a requeue.
+    queue_legacy boolean   NOT NULL DEFAULT false,
     priority   smallint    NOT NULL,
     tag        text,
     not_before timestamptz,
@@ -264,12 +272,9 @@ $$;
 CREATE INDEX IF NOT EXISTS dead_jobs_reason_idx ON dead_jobs (reason, dead_at);
 CREATE INDEX IF NOT EXISTS dead_jobs_id_idx ON dead_jobs (id);
 
--- Consumers' record of the task ids they have processed (drain.consumer):
--- written in the same transaction as the task's own effects, so a redelivered
--- message is recognised and skipped. Purge old rows with
--- `drain processed purge --older-than 7d`.
--- What `drain migrate` changed in place, for the drain to read: one row per
--- change whose effect depends on when it was made.
+-- What `drain migrate` changed in place, for drains from before
+-- queue_legacy to read: one row per change whose effect depends on when it
+-- was made.
 CREATE TABLE IF NOT EXISTS drain_schema_state (
     key   text   PRIMARY KEY,
     value bigint NOT NULL
@@ -278,15 +283,56 @@ CREATE TABLE IF NOT EXISTS drain_schema_state (
 -- "No queue given" (NULL) was 'celery' before: a database from then has
 -- staged_jobs.queue NOT NULL DEFAULT 'celery', and rows already staged with
 -- 'celery' may have given no queue. The upgrade is in place and only touches
--- the catalog (no row is rewritten): the column loses its NOT NULL and its
--- default, and queue_given_from_id records the first id staged after it, so
--- that a 'celery' row below it is still routed as "no queue given" (as
--- before the upgrade) and nothing already staged is re-routed. On a new
--- database that id is 1. The brief ACCESS EXCLUSIVE lock waits for at most
--- lock_timeout (drain migrate sets it and retries) so that the application's
--- writers are never held up behind a long transaction.
+-- the catalog (no row is rewritten):
+--
+-- * queue_legacy is added as true for every row already there and false for
+--   every row staged from now on (ADD COLUMN with a constant default, then SET
+--   DEFAULT: Postgres keeps the first default in the catalog for the rows that
+--   were there, no table rewrite), so a 'celery' row from before is still
+--   routed as "no queue given", and nothing already staged is re-routed;
+-- * the column loses its NOT NULL and its default.
+--
+-- A database upgraded by an older drain (queue already nullable) recorded the
+-- first id staged after that upgrade, queue_given_from_id: the rows still
+-- staged (or dead) with 'celery' below it get queue_legacy = true (one pass
+-- over the tables under the lock; ids are not monotonic, which is why the
+-- drain now reads the flag and never compares ids). queue_given_from_id is
+-- still recorded for older drains that run on through the upgrade.
+-- The brief ACCESS EXCLUSIVE lock waits for at most lock_timeout (drain
+-- migrate sets it and retries) so that the application's writers are never
+-- held up behind a long transaction.
 DO $$
+DECLARE
+    mark bigint;
 BEGIN
+    IF NOT EXISTS (SELECT FROM pg_attribute
+                   WHERE attrelid = 'staged_jobs'::regclass AND attname = 'queue_legacy'
+                     AND NOT attisdropped) THEN
+        IF EXISTS (SELECT FROM pg_attribute
+                   WHERE attrelid = 'staged_jobs'::regclass AND attname = 'queue'
+                     AND attnotnull) THEN
+            ALTER TABLE staged_jobs ADD COLUMN queue_legacy boolean NOT NULL DEFAULT true;
+            ALTER TABLE staged_jobs ALTER COLUMN queue_legacy SET DEFAULT false;
+        ELSE
+            ALTER TABLE staged_jobs ADD COLUMN queue_legacy boolean NOT NULL DEFAULT false;
+            SELECT value INTO mark FROM drain_schema_state WHERE key = 'queue_given_from_id';
+            UPDATE staged_jobs SET queue_legacy = true WHERE queue = 'celery' AND id < mark;
+        END IF;
+    END IF;
+    IF NOT EXISTS (SELECT FROM pg_attribute
+                   WHERE attrelid = 'dead_jobs'::regclass AND attname = 'queue_legacy'
+                     AND NOT attisdropped) THEN
+        IF EXISTS (SELECT FROM pg_attribute
+                   WHERE attrelid = 'dead_jobs'::regclass AND attname = 'queue'
+                     AND attnotnull) THEN
+            ALTER TABLE dead_jobs ADD COLUMN queue_legacy boolean NOT NULL DEFAULT true;
+            ALTER TABLE dead_jobs ALTER COLUMN queue_legacy SET DEFAULT false;
+        ELSE
+            ALTER TABLE dead_jobs ADD COLUMN queue_legacy boolean NOT NULL DEFAULT false;
+            SELECT value INTO mark FROM drain_schema_state WHERE key = 'queue_given_from_id';
+            UPDATE dead_jobs SET queue_legacy = true WHERE queue = 'celery' AND id < mark;
+        END IF;
+    END IF;
     IF EXISTS (SELECT FROM pg_attribute
                WHERE attrelid = 'staged_jobs'::regclass AND attname = 'queue'
                  AND attnotnull) THEN
@@ -302,7 +348,7 @@ BEGIN
         -- Under the lock the ALTER took (or on a new table): no insert in flight.
         LOCK TABLE staged_jobs IN SHARE MODE;
         -- The next id the table's sequence hands out (or above any row given
-        -- its own id): right even when the drain has emptied the table.
+        -- its own id), for drains from before queue_legacy.
         INSERT INTO drain_schema_state (key, value)
         SELECT 'queue_given_from_id', greatest(
             coalesce(pg_sequence_last_value(pg_get_serial_sequence('staged_jobs', 'id')::regclass), 0),
@@ -312,6 +358,10 @@ BEGIN
 END
 $$;
 
+-- Consumers' record of the task ids they have processed (drain.consumer):
+-- written in the same transaction as the task's own effects, so a redelivered
+-- message is recognised and skipped. Purge old rows with
+-- `drain processed purge --older-than 7d`.
 CREATE TABLE IF NOT EXISTS drain_processed (
     task_id      uuid        PRIMARY KEY,
     processed_at timestamptz NOT NULL DEFAULT now()

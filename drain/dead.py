@@ -20,7 +20,7 @@ import psycopg
 from psycopg import sql
 
 from drain import sql as queries
-from drain.errors import ConfigError
+from drain.errors import ConfigError, SchemaMissing
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -104,30 +104,32 @@ def requeue(
 ) -> int:
     """Move matching dead jobs back into ``staged_jobs``; returns how many.
 
-    They keep their task id, priority, tag and queue, and are due at once.
+    They keep their task id, priority, tag, queue, embed (callbacks, a chain's
+    next tasks) and ``queue_legacy`` (a job staged without a queue before the
+    upgrade is still routed as "no queue given"), and are due at once.
     Expiry is fresh: ``expires_in`` from now when given, else the time to live
     the job had when it was staged (expires_at minus its staging or due time),
-    else none.
+    else none. Raises :class:`SchemaMissing` on a schema `drain migrate` has
+    not upgraded yet.
     """
     where, params = filters.where()
     with conn.transaction():
-        # Their embed (callbacks, a chain's next tasks) goes back with them; a
-        # schema from before the column (drain migrate adds it) has none.
-        has_embed = conn.execute(queries.query("embed_present")).fetchone() == (True,)
-        embed = sql.SQL(", embed" if has_embed else "")
+        if conn.execute(queries.query("queue_legacy_present")).fetchone() != (True,):
+            raise SchemaMissing("dead_jobs has no queue_legacy column (an older drain "
+                                "schema): run `drain migrate`")
         query = sql.SQL(
             """
             WITH moved AS (DELETE FROM dead_jobs WHERE {} RETURNING *)
-            INSERT INTO staged_jobs (task_id, task_name, args, kwargs, queue, priority, tag,
-                                     not_before, expires_at{embed})
-            SELECT task_id, task_name, args, kwargs, queue, priority, tag, NULL,
+            INSERT INTO staged_jobs (task_id, task_name, args, kwargs, queue, queue_legacy,
+                                     priority, tag, not_before, expires_at, embed)
+            SELECT task_id, task_name, args, kwargs, queue, queue_legacy, priority, tag, NULL,
                    CASE WHEN {expires_in}::interval IS NOT NULL THEN now() + {expires_in}
                         WHEN expires_at IS NOT NULL
                             THEN now() + (expires_at - coalesce(not_before, staged_at))
-                   END{embed}
+                   END, embed
             FROM moved
             """
-        ).format(where, expires_in=sql.Placeholder("expires_in"), embed=embed)
+        ).format(where, expires_in=sql.Placeholder("expires_in"))
         return conn.execute(query, {**params, "expires_in": expires_in}).rowcount
 
 

@@ -54,8 +54,9 @@ class StagedRow:
     expires_at: dt.datetime | None = None
     #: Not delayed (``not_before IS NULL``): read through the priority marks.
     ready: bool = True
-    #: Staged without a queue (``queue`` then reads 'celery', Celery's default):
-    #: ``drain run --app`` routes it as the app's ``apply_async`` would.
+    #: Staged without a queue (``queue`` NULL, or 'celery' with ``queue_legacy``;
+    #: ``queue`` then reads 'celery', Celery's default): ``drain run --app``
+    #: routes it as the app's ``apply_async`` would.
     unrouted: bool = False
     #: Celery's embed (callbacks, errbacks, chain) as JSON text; None: none.
     embed_json: str | None = None

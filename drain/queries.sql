@@ -86,14 +86,13 @@ SELECT EXISTS (
 -- rather than being published with an expiry in the past), and rows of other
 -- lanes (lane = |id mod N|: every id, negative ones too, has exactly one).
 -- JSON stays text: the message body is built from it without a decode/encode
--- round trip. (On a schema from before the embed column, drain.sql.query
--- reads embed as NULL: see drain.store, "embed".)
+-- round trip.
 -- A row without a queue (NULL, or 'celery' staged before that was NULL: see
--- staging_schema.sql, queue_given_from_id) reads as 'celery', Celery's default,
+-- staging_schema.sql, queue_legacy) reads as 'celery', Celery's default,
 -- and as unrouted: `drain run --app` routes it as the app would.
 SELECT id, task_id, task_name, args::text, kwargs::text, coalesce(queue, 'celery') AS queue,
        priority, tag, expires_at, not_before IS NULL AS ready,
-       queue IS NULL OR (queue = 'celery' AND id < %(queue_given_from)s::bigint) AS unrouted,
+       queue IS NULL OR (queue = 'celery' AND queue_legacy) AS unrouted,
        embed::text AS embed
 FROM (
     (SELECT s.* FROM unnest(%(priorities)s::int[], %(mark_xacts)s::bigint[],
@@ -148,20 +147,12 @@ FROM (
 ORDER BY priority DESC, xact, id
 LIMIT %(limit)s;
 
--- name: embed_present
--- Whether staged_jobs has the embed column (`drain migrate` adds it). Read
--- from the catalog under the batch's own snapshot: see drain.store, "embed".
-SELECT EXISTS (SELECT FROM pg_attribute
-               WHERE attrelid = 'staged_jobs'::regclass AND attname = 'embed'
-                 AND NOT attisdropped);
-
--- name: schema_state_present
--- A schema from before drain_schema_state (staging_schema.sql) has none.
-SELECT to_regclass('drain_schema_state') IS NOT NULL;
-
--- name: queue_given_from
--- The first id staged after "no queue given" became NULL (staging_schema.sql).
-SELECT value FROM drain_schema_state WHERE key = 'queue_given_from_id';
+-- name: queue_legacy_present
+-- Whether staged_jobs and dead_jobs have queue_legacy (staging_schema.sql), the
+-- newest column this drain reads: a schema without it needs `drain migrate`.
+SELECT count(*) = 2 FROM pg_attribute
+WHERE attrelid IN (to_regclass('staged_jobs'), to_regclass('dead_jobs'))
+  AND attname = 'queue_legacy' AND NOT attisdropped;
 
 -- name: fetch_heads
 -- For drain.keyset, in the batch's own snapshot: that snapshot's xmin, and
@@ -243,9 +234,9 @@ WITH gone AS (
          LIMIT %(limit)s))
     RETURNING *
 )
-INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, priority, tag,
-                       not_before, expires_at, staged_at, embed, reason, detail)
-SELECT id, task_id, task_name, args, kwargs, queue, priority, tag,
+INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, queue_legacy, priority,
+                       tag, not_before, expires_at, staged_at, embed, reason, detail)
+SELECT id, task_id, task_name, args, kwargs, queue, queue_legacy, priority, tag,
        not_before, expires_at, staged_at, embed, 'expired', NULL
 FROM gone;
 
@@ -258,9 +249,9 @@ WITH doomed AS (
     DELETE FROM staged_jobs s USING doomed d WHERE s.id = d.id
     RETURNING s.*, d.reason AS dead_reason, d.detail AS dead_detail
 )
-INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, priority, tag,
-                       not_before, expires_at, staged_at, embed, reason, detail)
-SELECT id, task_id, task_name, args, kwargs, queue, priority, tag,
+INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, queue_legacy, priority,
+                       tag, not_before, expires_at, staged_at, embed, reason, detail)
+SELECT id, task_id, task_name, args, kwargs, queue, queue_legacy, priority, tag,
        not_before, expires_at, staged_at, embed, dead_reason, dead_detail
 FROM gone;
 

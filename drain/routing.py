@@ -23,7 +23,8 @@ The queue a message is meant for is declared as the app declares it
 arguments (``x-queue-type``, ``x-max-priority``, TTLs...), its bindings.
 
 A row staged without a queue (``queue`` NULL, or ``'celery'`` staged before
-``drain migrate`` made "no queue given" NULL: :attr:`StagedRow.unrouted`) is
+``drain migrate`` made "no queue given" NULL, ``queue_legacy``:
+:attr:`StagedRow.unrouted`) is
 routed like ``apply_async`` without ``queue=``; any other queue, ``'celery'``
 included, is ``apply_async(queue=...)``.
 

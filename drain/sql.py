@@ -29,26 +29,9 @@ def queries() -> dict[str, str]:
     return parse(resources.files("drain").joinpath("queries.sql").read_text("utf-8"))
 
 
-def query(name: str, *, embed: bool = True) -> str:
-    """The query ``name``; ``embed=False``: as it reads on a schema from before
-    ``staged_jobs.embed`` (:func:`without_embed`)."""
-    return queries()[name] if embed else without_embed(name)
-
-
-#: How the queries read or copy the embed column, and the same without it: the
-#: fetch reads it as NULL, the moves to dead_jobs leave it out.
-_EMBED_FORMS = (("embed::text AS embed", "NULL::text AS embed"),
-                ("staged_at, embed,", "staged_at,"))
-
-
-@functools.cache
-def without_embed(name: str) -> str:
-    """The query ``name`` on a schema from before ``staged_jobs.embed`` (and
-    ``dead_jobs.embed``), which `drain migrate` adds: every row there has none."""
-    text = queries()[name]
-    for with_embed, without in _EMBED_FORMS:
-        text = text.replace(with_embed, without)
-    return text
+def query(name: str) -> str:
+    """The query ``name``."""
+    return queries()[name]
 
 
 def schema_text() -> str:

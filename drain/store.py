@@ -40,12 +40,6 @@ from drain.urls import scrub
 
 log = logging.getLogger(__name__)
 
-#: A schema from before "no queue given" was NULL: every 'celery' row gave none.
-EVERY_CELERY_ROW = 2**63 - 1
-#: Seconds between looks for that upgrade, on such a schema.
-MARK_RECHECK = 10.0
-
-
 class Store(Session):
     """The drain's session: the lock, the batches, the wake flag."""
 
@@ -59,13 +53,6 @@ class Store(Session):
         self._joined = False
         #: Connected to a hot standby: no LISTEN, no lock until it is promoted.
         self.in_recovery = False
-        #: Read at connect (:func:`queue_given_from`), and again every
-        #: MARK_RECHECK seconds while the schema is older than it.
-        self._queue_given_from = EVERY_CELERY_ROW
-        self._mark_read_at = 0.0
-        #: staged_jobs has the embed column. On a schema from before it
-        #: (`drain migrate` adds it), each batch looks again (see :meth:`batch`).
-        self._embed = True
 
     def _prepare(self, conn: psycopg.Connection[tuple[object, ...]]) -> None:
         """Check the schema and LISTEN (SchemaMissing when it is not there)."""
@@ -81,14 +68,16 @@ class Store(Session):
                 f"database {self._display} has an older drain schema (no wake flag, "
                 "sequence drain_wake): run `drain migrate`"
             )
+        if not self._ask("queue_legacy_present"):
+            raise SchemaMissing(
+                f"database {self._display} has an older drain schema (no column "
+                "staged_jobs.queue_legacy): run `drain migrate`"
+            )
         # A hot standby refuses LISTEN; try_lock waits for its promotion.
         self.in_recovery = self._ask("in_recovery")
         if not self.in_recovery:
             conn.execute(sql.query("listen"))
         self._wake = {"class": wakeup.WAKE_CLASS, "key": table}
-        self._queue_given_from = queue_given_from(conn)
-        self._mark_read_at = time.monotonic()
-        self._embed = self._ask("embed_present")
 
     def close(self) -> None:
         """Close the session; this also releases the locks and rolls back a batch."""
@@ -147,20 +136,9 @@ class Store(Session):
         self.in_recovery = False
         log.info("database %s was promoted: it accepts writes now", self._display)
 
-    def _query(self, name: str) -> str:
-        return sql.query(name, embed=self._embed)
-
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
-        """A REPEATABLE READ transaction; commits on success, rolls back on error.
-
-        On a schema from before ``staged_jobs.embed`` the batch's first statement
-        looks for the column: `drain migrate` may have added it since. The look
-        reads the catalog under the batch's snapshot, so the batch cannot see a
-        row staged with an embed (staged after the column was added) unless it
-        also sees the column, and then it reads it: no embed is ever left out of
-        a message, nor out of a row moved to dead_jobs.
-        """
+        """A REPEATABLE READ transaction; commits on success, rolls back on error."""
         conn = self._require()
         # Rows whose NOTIFY already arrived are visible to this batch's snapshot:
         # forget those notifications, or each would cost an empty cycle later.
@@ -169,8 +147,6 @@ class Store(Session):
             self.asked_at = time.monotonic()  # BEGIN
             with conn.transaction():
                 try:
-                    if not self._embed:
-                        self._embed = self._ask("embed_present")
                     yield
                 finally:
                     self.asked_at = time.monotonic()  # COMMIT or ROLLBACK
@@ -197,15 +173,7 @@ class Store(Session):
         """The next ``limit`` due rows, leaving out ``exclude`` (rows in flight),
         the rows of ``paused`` queues and other lanes' rows; ``plan`` says where
         each priority's scan starts (None: from the head)."""
-        if (self._queue_given_from == EVERY_CELERY_ROW
-                and time.monotonic() - self._mark_read_at > MARK_RECHECK):
-            # `drain migrate` may have upgraded the schema under this drain.
-            self._mark_read_at = time.monotonic()
-            if self._ask("schema_state_present"):
-                row = self._execute("queue_given_from").fetchone()
-                self._queue_given_from = _mark(row)
-        params = fetch_params(limit, exclude=exclude, paused=paused, plan=plan,
-                              queue_given_from=self._queue_given_from, **self._lane)
+        params = fetch_params(limit, exclude=exclude, paused=paused, plan=plan, **self._lane)
         cur = self._execute("fetch_batch", params)
         return [StagedRow(*row) for row in cur.fetchall()]  # type: ignore[arg-type]
 
@@ -324,13 +292,8 @@ def fetch_params(
     plan: keyset.FetchPlan | None = None,
     lanes: int = 1,
     lane: int = 0,
-    queue_given_from: int = EVERY_CELERY_ROW,
 ) -> dict[str, object]:
-    """The parameters of the ``fetch_batch`` query (no plan: every priority from its head).
-
-    ``queue_given_from``: a row with queue 'celery' and a smaller id gave no queue
-    (:func:`queue_given_from`).
-    """
+    """The parameters of the ``fetch_batch`` query (no plan: every priority from its head)."""
     plan = plan or keyset.FROM_HEAD
     return {
         "limit": limit, "exclude": exclude or [], "paused": paused or [],
@@ -338,22 +301,8 @@ def fetch_params(
         "mark_ids": plan.mark_ids,
         "gap_above": plan.gap_above, "gap_below": plan.gap_below,
         "delayed_from": plan.delayed_from, "timed_xact": plan.timed_xact,
-        "lanes": lanes, "lane": lane, "queue_given_from": queue_given_from,
+        "lanes": lanes, "lane": lane,
     }
-
-
-
-def queue_given_from(conn: psycopg.Connection[tuple[object, ...]]) -> int:
-    """The first id staged after `drain migrate` made "no queue given" NULL (see
-    staging_schema.sql); :data:`EVERY_CELERY_ROW` for a schema from before."""
-    present = conn.execute(sql.query("schema_state_present")).fetchone()
-    if not present or not present[0]:
-        return EVERY_CELERY_ROW
-    return _mark(conn.execute(sql.query("queue_given_from")).fetchone())
-
-
-def _mark(row: tuple[object, ...] | None) -> int:
-    return int(str(row[0])) if row and row[0] is not None else EVERY_CELERY_ROW
 
 
 #: `drain migrate` waits this long for each lock on a table in use, then tries again.

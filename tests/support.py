@@ -161,15 +161,28 @@ def pgbench() -> str:
 
 def as_an_older_schema(db_url: str) -> None:
     """Turn a migrated database back into one from before "no queue given" was NULL
-    (staged_jobs.queue NOT NULL DEFAULT 'celery') and before the embed column
-    (callbacks and chains), as a database from then is."""
+    (staged_jobs.queue NOT NULL DEFAULT 'celery', no queue_legacy) and before the
+    embed column (callbacks and chains), as a database from then is."""
     with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("ALTER TABLE staged_jobs DROP COLUMN queue_legacy")
+        conn.execute("ALTER TABLE dead_jobs DROP COLUMN queue_legacy")
         conn.execute("ALTER TABLE staged_jobs DROP COLUMN embed")
         conn.execute("ALTER TABLE dead_jobs DROP COLUMN embed")
         conn.execute("ALTER TABLE staged_jobs ALTER queue SET DEFAULT 'celery', "
                      "ALTER queue SET NOT NULL")
         conn.execute("ALTER TABLE dead_jobs ALTER queue SET NOT NULL")
         conn.execute("DROP TABLE drain_schema_state")
+
+
+def as_upgraded_by_an_older_drain(db_url: str, mark: int) -> None:
+    """Turn a migrated database back into one an older drain's `drain migrate`
+    upgraded: "no queue given" is NULL, no queue_legacy, and the first id staged
+    after that upgrade recorded (queue_given_from_id = ``mark``)."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("ALTER TABLE staged_jobs DROP COLUMN queue_legacy")
+        conn.execute("ALTER TABLE dead_jobs DROP COLUMN queue_legacy")
+        conn.execute("UPDATE drain_schema_state SET value = %s "
+                     "WHERE key = 'queue_given_from_id'", [mark])
 
 
 def connect(url: str, **kwargs: Any) -> psycopg.Connection[Any]:

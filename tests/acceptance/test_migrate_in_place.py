@@ -1,12 +1,15 @@
-"""`drain migrate` upgrades a live database in place: "no queue given" becomes NULL,
-and staged_jobs gets its embed column (callbacks, chains).
+"""`drain migrate` upgrades a live database in place: "no queue given" becomes NULL
+(staged_jobs.queue_legacy marks the rows staged before), and staged_jobs gets its
+embed column (callbacks, chains).
 
 A database from before (``staged_jobs.queue NOT NULL DEFAULT 'celery'``) is
-written to by pgbench (4 clients, a job per transaction, no queue given) while
-``drain run --app tests.routing_app`` drains it; `drain migrate` runs in the
-middle of it. Every job, staged before the upgrade ('celery', the old default)
-or after it (NULL), must reach the queue the app routes it to, once: nothing
-lost, nothing duplicated, nothing re-routed (to a queue called celery).
+written to by pgbench (4 clients, a job per transaction, no queue given);
+`drain migrate` runs in the middle of it, then ``drain run --app
+tests.routing_app`` drains it (a drain of this version refuses the older
+schema: "run `drain migrate`"). Every job, staged before the upgrade ('celery',
+the old default) or after it (NULL), must reach the queue the app routes it
+to, once: nothing lost, nothing duplicated, nothing re-routed (to a queue
+called celery).
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ def test_migrate_under_load_keeps_every_staged_job_and_its_route(
 ) -> None:
     support.as_an_older_schema(db_url)
     env = support.drain_env(db_url, ROUTING_APP_SUFFIX=suffix)
-    spawn(support.drain_argv("run", "--app", "tests.routing_app", "--poll-interval", "0.2"),
-          env, "drain")
+    refused = support.run_cli(db_url, "run", "--app", "tests.routing_app", "--exit-when-empty",
+                              env=env)
+    assert refused.returncode == 4, refused.stderr
+    assert "queue_legacy): run `drain migrate`" in refused.stderr
     script = tmp_path / "stage.sql"
     # No queue given: task_default_queue routes orders.process without vip.
     script.write_text("INSERT INTO staged_jobs (task_name, kwargs) "
@@ -45,14 +50,21 @@ def test_migrate_under_load_keeps_every_staged_job_and_its_route(
     )
     default = routing_app.names(suffix)["default"]
     try:
-        support.wait_for(lambda: support.queue_depth(default) >= 200 or writers.poll() is not None,
-                         30, "jobs staged before the upgrade to be delivered")
+        support.wait_for(lambda: support.staged_count(db_url) >= 200 or writers.poll() is not None,
+                         30, "jobs staged before the upgrade")
         started = time.monotonic()
         migrated = support.run_cli(db_url, "migrate", env=env)
         took = time.monotonic() - started
         assert migrated.returncode == 0, migrated.stderr
-        # The upgrade also added the embed column, under the running drain: a job
-        # staged with a callback now is sent with it.
+        with psycopg.connect(db_url) as conn:
+            # Nothing drained them yet: every job staged before the upgrade is still
+            # there, marked as staged without a queue.
+            marked = conn.execute(
+                "SELECT count(*) FROM staged_jobs WHERE queue_legacy").fetchone()
+        spawn(support.drain_argv("run", "--app", "tests.routing_app", "--poll-interval", "0.2"),
+              env, "drain")
+        # The upgrade also added the embed column: a job staged with a callback now
+        # is sent with it.
         app = routing_app.create(suffix)
         with psycopg.connect(db_url) as conn:
             linked = drain.stage(conn, app.tasks["orders.process"].s(vip=False).set(
@@ -78,6 +90,7 @@ def test_migrate_under_load_keeps_every_staged_job_and_its_route(
     assert mark is not None
     before = mark[0] - 1  # ids 1..before were staged before the upgrade ('celery')
     assert 0 < before < jobs, (before, jobs)
+    assert marked == (before,)
 
     support.wait_for(lambda: support.staged_count(db_url) == 0, 60, "the backlog to drain")
     messages = support.drain_queue(default)

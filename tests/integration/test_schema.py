@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import uuid
@@ -33,8 +32,9 @@ import pytest
 import drain
 from drain import dead, sql, store
 from drain.config import Settings
+from drain.errors import SchemaMissing
 from drain.message import StagedRow
-from drain.store import EVERY_CELERY_ROW, fetch_params, migrate, queue_given_from
+from drain.store import fetch_params, migrate
 from tests import support
 
 CHANNEL = "drain_staged_jobs"
@@ -130,7 +130,8 @@ def test_catalog_snapshot_is_the_schema(db_url: str) -> None:
     }
     assert snap["roles"] == [("drain_runner", False), ("drain_stager", False)]
     assert [c[0] for c in snap["columns"]] == [
-        "id", "task_id", "task_name", "args", "kwargs", "queue", "staged_at", "priority",
+        "id", "task_id", "task_name", "args", "kwargs", "queue", "queue_legacy", "staged_at",
+        "priority",
         "tag", "not_before", "expires_at", "xact", "embed",
     ]
 
@@ -403,46 +404,141 @@ def test_wheel_carries_the_schema(tmp_path: Path) -> None:
 def _read(db_url: str) -> list[tuple[str, str, bool]]:
     """What the drain reads of every row: (task, queue, staged without a queue)."""
     with psycopg.connect(db_url) as conn:
-        params = fetch_params(100, queue_given_from=queue_given_from(conn))
-        embed = conn.execute(sql.query("embed_present")).fetchone() == (True,)
-        rows = [StagedRow(*r) for r in conn.execute(sql.query("fetch_batch", embed=embed),
-                                                      params)]
+        rows = [StagedRow(*r) for r in conn.execute(sql.query("fetch_batch"), fetch_params(100))]
     return [(r.task_name, r.queue, r.unrouted) for r in sorted(rows, key=lambda r: r.id)]
+
+
+def _insert(conn: psycopg.Connection[Any], task: str, queue: str | None = None,
+            row_id: int | None = None) -> None:
+    """A plain INSERT, with the column left out when ``queue`` is None, and the
+    row's own ``row_id`` when given."""
+    columns: list[str] = ["task_name"]
+    values: list[Any] = [task]
+    if queue is not None:
+        columns.append("queue")
+        values.append(queue)
+    if row_id is not None:
+        columns.append("id")
+        values.append(row_id)
+    conn.execute(f"INSERT INTO staged_jobs ({', '.join(columns)}) OVERRIDING SYSTEM VALUE "
+                 f"VALUES ({', '.join(['%s'] * len(values))})", values)
+
+
+def _file_node(conn: psycopg.Connection[Any], table: str) -> int:
+    row = conn.execute("SELECT pg_relation_filenode(%s::regclass)", [table]).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def test_no_queue_is_null_and_an_upgraded_database_keeps_its_old_rows_routing(
     db_url: str,
 ) -> None:
-    # A new database: every row staged since the schema was applied says what it gave.
-    with psycopg.connect(db_url) as conn:
-        assert queue_given_from(conn) == 1
     support.as_an_older_schema(db_url)
     with psycopg.connect(db_url) as conn:
-        assert queue_given_from(conn) == EVERY_CELERY_ROW
-        conn.execute("INSERT INTO staged_jobs (task_name) VALUES ('old.default')")
-        conn.execute("INSERT INTO staged_jobs (task_name, queue) VALUES ('old.q1', 'q1')")
-    assert _read(db_url) == [("old.default", "celery", True), ("old.q1", "q1", False)]
-
-    with psycopg.connect(db_url) as conn:
-        migrate(conn)  # in place: no row rewritten
+        _insert(conn, "old.default")
+        _insert(conn, "old.q1", "q1")
+        _insert(conn, "old.negative", row_id=-7)
+        files = (_file_node(conn, "staged_jobs"), _file_node(conn, "dead_jobs"))
         conn.commit()
+        migrate(conn)
+        conn.commit()
+        # In place: the tables were not rewritten (no row touched).
+        assert (_file_node(conn, "staged_jobs"), _file_node(conn, "dead_jobs")) == files
         assert conn.execute(
-            "SELECT attnotnull, pg_get_expr(adbin, adrelid) FROM pg_attribute "
+            "SELECT attname, attnotnull, pg_get_expr(adbin, adrelid) FROM pg_attribute "
             "LEFT JOIN pg_attrdef ON adrelid = attrelid AND adnum = attnum "
-            "WHERE attrelid = 'staged_jobs'::regclass AND attname = 'queue'"
-        ).fetchone() == (False, None)
+            "WHERE attrelid = 'staged_jobs'::regclass AND attname IN ('queue', 'queue_legacy') "
+            "ORDER BY attname"
+        ).fetchall() == [("queue", False, None), ("queue_legacy", True, "false")]
         drain.stage(conn, "new.none")
         drain.stage(conn, "new.celery", queue="celery")
-        conn.execute("INSERT INTO staged_jobs (task_name) VALUES ('new.sql')")
-        migrate(conn)  # again: the mark stays where the upgrade put it
-        assert queue_given_from(conn) == 3
+        _insert(conn, "new.sql")
+        # Ids are not monotonic: a row given its own (negative) id, and rows staged
+        # after the identity was restarted below every id staged so far.
+        _insert(conn, "new.negative.celery", "celery", row_id=-5)
+        _insert(conn, "new.negative.none", row_id=-4)
+        conn.execute("DELETE FROM staged_jobs WHERE task_name = 'old.default'")
+        conn.execute("ALTER TABLE staged_jobs ALTER COLUMN id RESTART WITH 1")
+        drain.stage(conn, "new.restarted.celery", queue="celery")
+        migrate(conn)  # again: changes nothing
     assert _read(db_url) == [
-        ("old.default", "celery", True),  # gave no queue then: still routed as before
+        ("old.negative", "celery", True),  # gave no queue then: still routed as before
+        ("new.negative.celery", "celery", False),
+        ("new.negative.none", "celery", True),
+        ("new.restarted.celery", "celery", False),  # id 1: explicit all the same
         ("old.q1", "q1", False),
         ("new.none", "celery", True),
         ("new.celery", "celery", False),  # an explicit celery is apply_async(queue='celery')
         ("new.sql", "celery", True),
     ]
+
+
+def test_a_database_upgraded_by_an_older_drain_marks_its_old_rows_from_the_recorded_id(
+    db_url: str,
+) -> None:
+    """An older drain's `drain migrate` recorded queue_given_from_id instead: the
+    rows still staged or dead with 'celery' below it get queue_legacy."""
+    with psycopg.connect(db_url) as conn:
+        for task in ("old.default", "old.q", "new.celery", "new.none"):
+            _insert(conn, task, {"old.q": "q", "new.none": None}.get(task, "celery"))
+        conn.execute("INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, "
+                     "priority, staged_at, reason) SELECT id, task_id, task_name, args, kwargs, "
+                     "queue, priority, staged_at, 'invalid' FROM staged_jobs")
+    support.as_upgraded_by_an_older_drain(db_url, mark=3)
+    with psycopg.connect(db_url) as conn:
+        migrate(conn)
+        conn.commit()
+        flags = "SELECT task_name, queue_legacy FROM {} ORDER BY id"
+        assert conn.execute(flags.format("staged_jobs")).fetchall() == conn.execute(
+            flags.format("dead_jobs")).fetchall() == [
+            ("old.default", True), ("old.q", False), ("new.celery", False), ("new.none", False)]
+    assert _read(db_url) == [("old.default", "celery", True), ("old.q", "q", False),
+                             ("new.celery", "celery", False), ("new.none", "celery", True)]
+
+
+def test_a_job_staged_before_the_upgrade_without_a_queue_is_requeued_as_such(
+    db_url: str,
+) -> None:
+    """Dead-lettered (here by a drain of this version) and requeued after
+    `drain migrate`, under a new id: still "no queue given"."""
+    support.as_an_older_schema(db_url)
+    with psycopg.connect(db_url) as conn:
+        _insert(conn, "old.default")
+        _insert(conn, "old.celery.dead.later")
+        conn.commit()
+        migrate(conn)
+        conn.commit()
+        # A job staged by the application after the upgrade, with queue celery.
+        drain.stage(conn, "new.celery", queue="celery")
+    drainer = store.Store(Settings(database_url=db_url))
+    drainer.connect()
+    try:
+        with drainer.batch():
+            rows = drainer.fetch(10)
+            drainer.bury([(row.id, "unknown_task", "not deployed yet") for row in rows])
+    finally:
+        drainer.close()
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT task_name, queue, queue_legacy FROM dead_jobs "
+                            "ORDER BY id").fetchall() == [
+            ("old.default", "celery", True), ("old.celery.dead.later", "celery", True),
+            ("new.celery", "celery", False)]
+        assert dead.requeue(conn, dead.Filters(reason="unknown_task")) == 3
+    assert sorted(_read(db_url)) == [("new.celery", "celery", False),
+                                     ("old.celery.dead.later", "celery", True),
+                                     ("old.default", "celery", True)]
+
+
+def test_a_drain_on_a_schema_from_before_queue_legacy_says_run_drain_migrate(
+    db_url: str,
+) -> None:
+    support.as_upgraded_by_an_older_drain(db_url, mark=1)
+    drainer = store.Store(Settings(database_url=db_url))
+    with pytest.raises(SchemaMissing, match=r"queue_legacy\): run `drain migrate`"):
+        drainer.connect()
+    drainer.close()
+    with psycopg.connect(db_url) as conn, pytest.raises(SchemaMissing, match="drain migrate"):
+        dead.requeue(conn, dead.Filters())
 
 
 # -- the embed column (callbacks, chains) ---------------------------------------------------
@@ -458,36 +554,6 @@ def _stage_with_embed(db_url: str, task: str, **columns: Any) -> None:
         conn.execute(f"INSERT INTO staged_jobs ({', '.join(names)}) VALUES "
                      f"({', '.join(['%s'] * len(names))})",
                      [task, psycopg.types.json.Jsonb(_EMBED), *columns.values()])
-
-
-def test_a_drain_on_a_schema_from_before_the_embed_column_reads_it_once_it_is_added(
-    db_url: str,
-) -> None:
-    """The drain looks for the column at the start of each batch, under the batch's
-    snapshot: a row staged with an embed is never read without it."""
-    support.as_an_older_schema(db_url)
-    with psycopg.connect(db_url) as conn:
-        drain.stage(conn, "old.job")
-    drainer = store.Store(Settings(database_url=db_url))
-    drainer.connect()
-    try:
-        with drainer.batch():
-            [old] = drainer.fetch(10)
-            drainer.bury([(old.id, "invalid", "moved without an embed column")])
-        assert old.embed_json is None
-        with psycopg.connect(db_url) as conn:
-            migrate(conn)
-        _stage_with_embed(db_url, "new.with_callbacks")
-        with drainer.batch():
-            [new] = drainer.fetch(10)
-            drainer.bury([(new.id, "invalid", "moved with its embed")])
-        assert new.task_name == "new.with_callbacks"
-        assert new.embed_json is not None and json.loads(new.embed_json) == _EMBED
-    finally:
-        drainer.close()
-    with psycopg.connect(db_url) as conn:
-        assert conn.execute("SELECT task_name, embed FROM dead_jobs ORDER BY dead_id").fetchall(
-        ) == [("old.job", None), ("new.with_callbacks", _EMBED)]
 
 
 def test_an_expired_job_keeps_its_embed_in_dead_jobs_and_gets_it_back_on_requeue(

@@ -29,8 +29,7 @@ def test_query_names() -> None:
         "lanes_in_use", "set_application_name", "backlog_groups", "dead_by_reason",
         "bury", "expire", "alive", "take_sentinel", "release_sentinel",
         "wake_flag", "raise_flag", "lower_flag", "silent_writers", "announce", "armed_elsewhere",
-        "in_recovery", "backend_identity", "end_abandoned", "schema_state_present",
-        "queue_given_from", "embed_present",
+        "in_recovery", "backend_identity", "end_abandoned", "queue_legacy_present",
     }
 
 
@@ -39,21 +38,10 @@ def _code(text: str) -> str:
     return "\n".join(line.split("--")[0] for line in text.splitlines())
 
 
-def test_only_the_queries_of_staged_rows_and_dead_rows_use_the_embed_column() -> None:
-    assert {name for name in sql.queries()
-            if sql.query(name, embed=False) != sql.query(name)} == {
-        "fetch_batch", "expire", "bury"}
-
-
-@pytest.mark.parametrize("name", ["fetch_batch", "expire", "bury"])
-def test_without_embed_a_query_names_no_embed_column(name: str) -> None:
-    """On a schema from before the column, the fetch reads it as NULL and the
-    moves to dead_jobs leave it out; every other mention of it is gone."""
-    code = _code(sql.query(name, embed=False))
-    assert code.replace("NULL::text AS embed", "").count("embed") == 0
-    assert "embed" in _code(sql.query(name))
-    if name == "fetch_batch":
-        assert "NULL::text AS embed" in code
+@pytest.mark.parametrize("name", ["expire", "bury"])
+def test_a_job_moved_to_dead_jobs_keeps_its_embed_and_queue_legacy(name: str) -> None:
+    code = _code(sql.query(name))
+    assert code.count("queue_legacy") == 2 and code.count("embed") == 2
 
 
 def test_packaged_schema_is_the_canonical_file() -> None:
