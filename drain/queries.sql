@@ -404,15 +404,28 @@ SELECT set_config('application_name', %(name)s, false);
 -- A hot standby (drain.failover): it refuses LISTEN and every write until promoted.
 SELECT pg_is_in_recovery();
 
--- name: backend_identity
--- This session's backend: its pid and start time, which together name it
--- even after the pid is reused (Store.abandon, end_abandoned).
-SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid();
+-- name: take_token
+-- This session's token (drain.abandoned): held until the session ends.
+SELECT pg_try_advisory_lock(%(class)s::int, %(key)s::int);
 
 -- name: end_abandoned
 -- End a session this drain abandoned because it stopped answering (a hung
--- path keeps it, and the lock it holds, alive on the server). Only that very
--- backend: same pid and start time. OFFSET 0 keeps the filter before the call.
-SELECT pg_terminate_backend(pid)
-FROM (SELECT pid FROM pg_stat_activity
-      WHERE pid = %(pid)s AND backend_start = %(started)s OFFSET 0) AS abandoned;
+-- path keeps it, and the lock it holds, alive on the server), only while that
+-- backend still holds both this drain's lock and the abandoned session's token
+-- (drain.abandoned): a pool may have handed the server connection to another
+-- client meanwhile. The check and the kill are one statement (a one-time
+-- filter, evaluated before the call).
+SELECT pg_terminate_backend(%(pid)s)
+WHERE EXISTS (
+    SELECT 1 FROM pg_locks
+    WHERE locktype = 'advisory' AND mode = 'ExclusiveLock' AND granted AND pid = %(pid)s
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND classid = %(token_class)s::int::oid AND objid = %(token)s::int::oid
+      AND objsubid = 2
+) AND EXISTS (
+    SELECT 1 FROM pg_locks
+    WHERE locktype = 'advisory' AND mode = 'ExclusiveLock' AND granted AND pid = %(pid)s
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND classid = %(lock_classid)s::bigint::oid AND objid = %(lock_objid)s::bigint::oid
+      AND objsubid = %(lock_objsubid)s::int
+);

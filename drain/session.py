@@ -24,7 +24,7 @@ import psycopg.errors
 from psycopg import conninfo
 from psycopg.pq import TransactionStatus
 
-from drain import failover, sql
+from drain import abandoned, failover, sql
 from drain.config import Settings
 from drain.errors import DatabaseRefused, DatabaseUnavailable, DrainError, SchemaMissing
 from drain.session_probe import check as check_session
@@ -88,10 +88,14 @@ class Session:
         #: Held while the connection is closed, so that abandon() never shuts a
         #: socket whose descriptor was closed and handed to another one.
         self._closing = threading.Lock()
-        #: This session's backend (pid, start), and the ones abandoned while they
-        #: may still hold the lock on the server (ended at the next connect).
-        self._backend: tuple[object, object] | None = None
-        self._abandoned: list[tuple[object, object]] = []
+        #: This session's backend (its server pid and token, drain.abandoned), and
+        #: the ones abandoned while they may still hold the lock on the server
+        #: (ended at the next connect, if they still hold it and their token).
+        self._backend: abandoned.Backend | None = None
+        self._abandoned: list[abandoned.Backend] = []
+        #: The server's pid for this session (``pg_backend_pid()``): through a
+        #: pool, ``conn.info.backend_pid`` is the pool's key, not the server's.
+        self.server_pid = 0
 
     @property
     def connected(self) -> bool:
@@ -143,14 +147,15 @@ class Session:
         self.holds_lock = False
         try:
             # Refuses a pool that does not keep sessions (fatal), before LISTEN and the lock.
-            check_session(conn, dsn, self._display, self._secrets)
+            self.server_pid = check_session(conn, dsn, self._display, self._secrets)
             conn.execute(
                 "SELECT " + ", ".join("set_config(%s, %s, false)" for _ in session),
                 [item for pair in session.items() for item in pair],
             )
             self._prepare(conn)
-            identity = self._execute("backend_identity").fetchone()
-            self._backend = (identity[0], identity[1]) if identity else None
+            token = abandoned.take_token(lambda key: self._ask(
+                "take_token", {"class": abandoned.TOKEN_CLASS, "key": key}))
+            self._backend = abandoned.Backend(self.server_pid, token)
             self._end_abandoned()
         except psycopg.Error as exc:
             self.close()
@@ -167,6 +172,7 @@ class Session:
         with self._closing:
             conn, self._conn = self._conn, None
             self.holds_lock = False
+            self._backend = None
             if conn is not None:
                 with contextlib.suppress(Exception):
                     conn.close()
@@ -184,7 +190,8 @@ class Session:
         commit this process sends, so nothing unconfirmed is deleted, and
         confirmed rows whose delete did not commit are published again (same
         task ids). The abandoned backend may live on behind the hang, holding
-        the lock: the next connect ends it (``end_abandoned``).
+        the lock: the next connect ends it if it still holds the lock and this
+        session's token (drain.abandoned).
         """
         with self._closing:
             conn = self._conn
@@ -200,14 +207,14 @@ class Session:
             return waited
 
     def _end_abandoned(self) -> None:
-        """End the backends of sessions this process abandoned, if they live on."""
+        """End the backends of sessions this process abandoned, if they live on as
+        this drain's: holding its lock and their token (drain.abandoned)."""
         while self._abandoned:
-            pid, started = self._abandoned[0]
-            ended = self._execute("end_abandoned", {"pid": pid, "started": started}).fetchall()
+            backend = self._abandoned[0]
+            ended = self._execute(
+                "end_abandoned", abandoned.end_params(backend, self._settings)).fetchall()
             self._abandoned.pop(0)
-            if ended:
-                log.warning("ended this drain's abandoned session (backend pid %s): it was "
-                            "still open behind the hang, holding the lock", pid)
+            abandoned.report(backend, bool(ended))
 
     def application_name(self, leader_since: dt.datetime | None) -> str:
         """What ``drain status`` shows: ``drain pid=N host=H [since=EPOCH]`` (63 bytes max)."""
@@ -250,7 +257,7 @@ class Session:
         other queries, one per committed staging transaction, without bound.
         """
         got = False
-        own = conn.info.backend_pid  # its own announcements (drain.wakeup) wake no one
+        own = self.server_pid  # its own announcements (drain.wakeup) wake no one
         try:
             for note in conn.notifies(timeout=0):
                 got = got or note.pid != own

@@ -14,10 +14,10 @@ from typing import Any
 import psycopg
 
 from drain import sql
+from drain.abandoned import lane_class, lane_guard
 from drain.config import Settings
 from drain.errors import DatabaseUnavailable, DrainError, SchemaMissing
 from drain.session import connect_plain
-from drain.store import lane_class, lane_guard
 from drain.url_parts import first_line
 from drain.urls import scrub
 

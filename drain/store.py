@@ -16,7 +16,6 @@ import contextlib
 import datetime as dt
 import logging
 import time
-import zlib
 from collections.abc import Iterator
 
 import psycopg
@@ -25,6 +24,7 @@ from psycopg import sql as psql
 from psycopg.pq import TransactionStatus
 
 from drain import keyset, sql, wakeup
+from drain.abandoned import lane_class, lane_guard
 from drain.config import Settings
 from drain.errors import (
     BatchConflict,
@@ -268,20 +268,6 @@ class Store(Session):
         lane's) is armed now."""
         if self._ask("wake_flag") and self._ask("take_sentinel", self._wake):
             self._lower(announce=False)
-
-def lane_guard(lock_key: int) -> int:
-    """The int4 class of the (guard, lanes) locks of a lock key."""
-    return _int4(f"drain lanes {lock_key}")
-
-
-def lane_class(lock_key: int, lanes: int) -> int:
-    """The int4 class of the (class, lane) locks of a lock key split in ``lanes``."""
-    return _int4(f"drain lane {lock_key}/{lanes}")
-
-
-def _int4(text: str) -> int:
-    value = zlib.crc32(text.encode())
-    return value - 2**32 if value >= 2**31 else value
 
 
 def fetch_params(

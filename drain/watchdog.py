@@ -7,7 +7,8 @@ timeouts cannot help when the command never reached it, and TCP keepalives pass
 while the other end is up. The statement timeout bounds every command the drain
 sends, so a command unanswered ANSWER_GRACE seconds after it is given up
 (Store.abandon): the loop sees a lost connection, reconnects, ends the abandoned
-backend if it lives on behind the hang, and takes the lock again or stands by.
+backend if it lives on behind the hang as this drain's (holding its lock and that
+session's token: drain.abandoned), and takes the lock again or stands by.
 Anything else that stops the loop is only reported (and /healthz fails, and
 DrainStalled pages).
 """

@@ -343,13 +343,19 @@ def celery_argv(queue: str) -> list[str]:
 
 
 class _Link:
-    """One proxied connection: the client's socket, the upstream one, and a valve."""
+    """One proxied connection: the client's socket, the upstream one, and a valve
+    each way (``flowing``: towards upstream, ``replies``: back to the client)."""
 
     def __init__(self, client: socket.socket, upstream: socket.socket, flowing: bool) -> None:
         self.sockets = (client, upstream)
         self.flowing = threading.Event()
+        self.replies = threading.Event()
         if flowing:
             self.flowing.set()
+            self.replies.set()
+
+    def valve(self, src: socket.socket) -> threading.Event:
+        return self.flowing if src is self.sockets[0] else self.replies
 
     def close(self) -> None:
         for s in self.sockets:
@@ -357,6 +363,7 @@ class _Link:
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
         self.flowing.set()  # a pipe waiting at the valve wakes up and finds the sockets closed
+        self.replies.set()
 
 
 def via_proxy(db_url: str, port: int) -> str:
@@ -388,6 +395,7 @@ class TcpProxy:
         self._lock = threading.Lock()
         #: Connections accepted so far (over every start/restart).
         self.accepted = 0
+        self._held = 0
 
     def start(self) -> TcpProxy:
         server = socket.socket()
@@ -419,6 +427,12 @@ class TcpProxy:
         return self._server is not None
 
     @property
+    def held(self) -> int:
+        """Directions of the connections whose bytes a stall holds back now."""
+        with self._lock:
+            return self._held
+
+    @property
     def open_connections(self) -> int:
         with self._lock:
             return len(self._links)
@@ -447,8 +461,14 @@ class TcpProxy:
 
     def _pipe(self, link: _Link, src: socket.socket, dst: socket.socket) -> None:
         try:
+            valve = link.valve(src)
             while data := src.recv(65536):
-                link.flowing.wait()
+                if not valve.is_set():
+                    with self._lock:
+                        self._held += 1
+                    valve.wait()
+                    with self._lock:
+                        self._held -= 1
                 dst.sendall(data)
         except OSError:
             pass
@@ -467,16 +487,21 @@ class TcpProxy:
         for link in links:
             link.close()
 
-    def stall(self, *, new_connections: bool = True) -> None:
+    def stall(self, *, new_connections: bool = True, replies_only: bool = False) -> None:
         """Stop forwarding on every open connection, keeping the sockets open.
 
         With ``new_connections`` (the default) connections accepted from now on
         stall too (a broker that hangs); otherwise they flow (one half-dead link).
+        With ``replies_only``, only what comes back from upstream is held: what
+        the client sends, and its close, still go through (a path that went
+        silent one way, which the server side does not see).
         """
         with self._lock:
             self._stall_new = new_connections
             for link in self._links:
-                link.flowing.clear()
+                link.replies.clear()
+                if not replies_only:
+                    link.flowing.clear()
 
     def resume(self) -> None:
         """Forward again on every connection, the bytes held back first."""
@@ -484,6 +509,7 @@ class TcpProxy:
             self._stall_new = False
             for link in self._links:
                 link.flowing.set()
+                link.replies.set()
 
     def refuse(self) -> None:
         """Cut every connection and stop listening: connecting is refused until restart()."""
