@@ -103,12 +103,28 @@ rows it cannot see yet carry ``xact >= xmin``. Unlike the ready marks, ``D``
 and ``E`` may move down (a late row below them) and take effect at once. A
 rescan sets them back to ``-infinity``.
 
+Only what committed moves a mark
+--------------------------------
+A look runs inside the batch's transaction, and that transaction may itself
+have removed rows the look then no longer sees: expired rows moved to
+dead_jobs before the fetch, say. Should the transaction roll back (a
+serialization failure, a failed COMMIT), those rows are staged again, below
+marks that were moved past them, and only a rescan would find them again
+(never, with ``--rescan-interval 0``). So a look only *proposes* new marks:
+:meth:`Marks.observe` and :meth:`Marks.observe_timed` record what they saw,
+:meth:`Marks.commit` applies it once the batch's COMMIT succeeded and
+:meth:`Marks.rollback` drops it (:meth:`Marks.transaction` does both).
+Until then the marks stay where the last committed look left them, which is
+always safe: a mark that lags only costs dead entries stepped over.
+
 This module is pure bookkeeping; :mod:`drain.store` runs the queries.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 #: smallint bounds, widened by one: the open ranges between known priorities.
 PRIORITY_BELOW_MIN = -(2**15) - 1
@@ -175,6 +191,11 @@ class Marks:
         self.skipping: frozenset[str] = frozenset()
         #: (delayed_from, expiring_from, timed_xact): see "Delayed and expiring rows".
         self._timed: tuple[str, str, int] = TIMED_START
+        #: Looks of the batch under way, applied only once it committed (see
+        #: "Only what committed moves a mark"): (heads, xmin, skipped) for the
+        #: ready marks, and the last (delayed, expiring, xmin) for the timed ones.
+        self._looks: list[tuple[dict[int, tuple[int, int] | None], int, list[str] | None]] = []
+        self._timed_look: tuple[str, str, int] | None = None
 
     def reset(self) -> None:
         """Forget every mark (a new session, or a rescan): the next fetch reads from the head."""
@@ -182,6 +203,7 @@ class Marks:
         self._reset_at = None
         self.skipping = frozenset()
         self._timed = TIMED_START
+        self.rollback()
 
     def paused(self, queues: list[str]) -> None:
         """The queues paused now. A skipped queue that is no longer paused sends
@@ -218,12 +240,38 @@ class Marks:
         return FetchPlan(known, [self._marks[p] for p in known], above, below, *self._timed)
 
     def observe_timed(self, delayed: str | None, expiring: str | None, xmin: int) -> None:
-        """Set the delayed and expiring marks after a look (``timed_heads``): the
-        smallest due time and expiry still staged at or above the marks or
+        """Propose the delayed and expiring marks after a look (``timed_heads``):
+        the smallest due time and expiry still staged at or above the marks or
         staged by a transaction at or above the last look's xmin (None: none),
-        and this look's xmin."""
+        and this look's xmin. They take effect at :meth:`commit`."""
         if self.enabled:
-            self._timed = (delayed or "infinity", expiring or "infinity", xmin)
+            self._timed_look = (delayed or "infinity", expiring or "infinity", xmin)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Wrap the batch transaction (outside it: enter before BEGIN, leave after
+        COMMIT): the looks made inside apply if it committed, else are dropped."""
+        self.rollback()
+        try:
+            yield
+        except BaseException:
+            self.rollback()
+            raise
+        self.commit()
+
+    def commit(self) -> None:
+        """The batch whose looks were proposed committed: move the marks."""
+        looks, timed = self._looks, self._timed_look
+        self.rollback()
+        for heads, xmin, skipped in looks:
+            self._move(heads, xmin, skipped)
+        if timed is not None:
+            self._timed = timed
+
+    def rollback(self) -> None:
+        """The batch rolled back (or never ran): forget what its looks saw."""
+        self._looks = []
+        self._timed_look = None
 
     def fetched(self, priorities: list[int], now: float) -> None:
         """Record the priorities of the ready rows just fetched."""
@@ -240,7 +288,7 @@ class Marks:
 
     def observe(self, heads: dict[int, tuple[int, int] | None], xmin: int,
                 skipped: list[str] | None = None) -> None:
-        """Move the marks after a look at the heads.
+        """Propose moving the marks after a look at the heads (applied at :meth:`commit`).
 
         ``heads``: for each priority marked when the look was planned, the
         smallest ``(xact, id)`` still staged at or above its mark in the
@@ -248,8 +296,11 @@ class Marks:
         ``skipped`` ones (the queues paused then; None: none); ``xmin``: that
         snapshot's ``pg_snapshot_xmin``.
         """
-        if not self.enabled:
-            return
+        if self.enabled:
+            self._looks.append((dict(heads), xmin, list(skipped) if skipped else None))
+
+    def _move(self, heads: dict[int, tuple[int, int] | None], xmin: int,
+              skipped: list[str] | None) -> None:
         if skipped:
             self.skipping |= frozenset(skipped)
         bound = (xmin, ID_MIN)

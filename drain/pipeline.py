@@ -119,7 +119,9 @@ class Pipeline:
         limit = self.settings.batch_size
         expired = 0
         try:
-            with self._store.batch():
+            # The marks move only once the batch committed (drain.keyset, "Only what
+            # committed moves a mark"): a rolled-back batch's expired rows come back.
+            with self.marks.transaction(), self._store.batch():
                 if not stopping:
                     expired, rows = self._expire_and_fetch(
                         [row_id for batch in pending for row_id in batch.row_ids], limit)
