@@ -228,7 +228,8 @@ $$;
 -- Jobs that will never be published, with the reason: 'expired' (expires_at
 -- passed while staged), 'too_large' (over the broker's max_message_size),
 -- 'invalid' (cannot become a Celery message), 'unknown_task' (`drain run
--- --app`: the app registers no such task). `drain dead list / requeue /
+-- --app`: the app registers no such task), 'refused' (the broker refused its
+-- publish, e.g. 404 no exchange). `drain dead list / requeue /
 -- purge` manage them. Unroutable messages are not dead-lettered: their rows
 -- stay staged until the queue exists.
 --

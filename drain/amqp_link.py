@@ -190,6 +190,11 @@ class AmqpLink:
         agreed."""
         self._on_channel_ready(None)
 
+    def _channel_refused(self, _exc: BaseException) -> bool:
+        """The channel closed: True when a subclass takes it in hand (the broker
+        refused something on it and the connection is fine); else the link fails."""
+        return False
+
     def _on_channel_ready(self, _frame: Any) -> None:
         self._ready = True
         self._wake()
@@ -235,6 +240,8 @@ class AmqpLink:
         self._prepare_channel(channel)
 
     def _on_channel_closed(self, _channel: Any, exc: BaseException) -> None:
+        if self._channel_refused(exc):
+            return
         if self._failure is None:
             self._failure = self._text(exc)
         self._ready = False

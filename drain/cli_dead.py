@@ -22,7 +22,7 @@ from drain.cli_common import Exit, UsageError, add_database, duration, settings_
 
 def _add_dead_filters(parser: argparse.ArgumentParser, *, older_than_required: bool) -> None:
     add_database(parser)
-    parser.add_argument("--reason", help="expired, too_large, invalid or unknown_task")
+    parser.add_argument("--reason", help="expired, too_large, invalid, unknown_task or refused")
     parser.add_argument("--task", help="task name")
     parser.add_argument("--tag", help="tag")
     parser.add_argument("--queue", help="queue")
@@ -40,7 +40,8 @@ def add_dead_parser(sub: Any) -> None:
         description="dead_jobs holds the jobs the drain set aside with a reason: "
         "'expired' (expires_at passed while staged), 'too_large' (over "
         "--max-message-size), 'invalid' (cannot become a Celery message), 'unknown_task' "
-        "(with --app: the app registers no such task).",
+        "(with --app: the app registers no such task), 'refused' (the broker refused "
+        "its publish, e.g. 404 no exchange; the detail is the broker's reply).",
     )
     dead_sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     q = dead_sub.add_parser("list", help="show matching dead jobs, newest first")

@@ -1,9 +1,10 @@
 """The dead-letter table: listing, requeueing and purging ``dead_jobs``.
 
 The drain moves a row to ``dead_jobs`` when it can never be published
-(``expired``, ``too_large``, ``invalid``, ``unknown_task``), in the same transaction that would
-have deleted it. Operators inspect them here and either put them back into
-``staged_jobs`` (same task id; a fresh expiry) or purge them.
+(``expired``, ``too_large``, ``invalid``, ``unknown_task``, ``refused``), in the
+same transaction that would have deleted it. Operators inspect them here and
+either put them back into ``staged_jobs`` (same task id; a fresh expiry) or
+purge them.
 
 Filters combine with AND; each is optional. SQL is composed with
 ``psycopg.sql`` from fixed fragments: no value is ever pasted into it.

@@ -67,7 +67,7 @@ class Metrics:
         self.dead_lettered = counter(
             "drain_dead_lettered",
             "Rows moved to dead_jobs by this process, by reason (expired, too_large, invalid, "
-            "unknown_task).",
+            "unknown_task, refused).",
             ("reason",))
         self.expired = counter(
             "drain_expired", "Rows that expired before publishing (also in dead_lettered).")
@@ -76,6 +76,10 @@ class Metrics:
             "their rows stay staged.")
         self.nacked = counter(
             "drain_nacked", "Messages the broker nacked; their rows stay staged.")
+        self.publish_refused = counter(
+            "drain_publish_refused",
+            "Publishes the broker refused by closing the channel, by reply code (404 no "
+            "exchange, 406, 403...): dead-lettered ('refused') or held.", ("code",))
         self.unsettled = counter(
             "drain_unsettled_rows", "Rows whose messages the broker confirmed but whose "
             "delete was rolled back (session lost, a conflicting change): they are published "
@@ -135,7 +139,7 @@ class Metrics:
             "drain_sample_timestamp_seconds", "Unix time of the last successful sample.")
         # Labelled counters exist from the start, so that rate() and increase()
         # see their first step (a series born at 1 would look like no increase).
-        for reason in ("expired", "too_large", "invalid", "unknown_task"):
+        for reason in ("expired", "too_large", "invalid", "unknown_task", "refused"):
             self.dead_lettered.labels(reason)
         for target in ("database", "broker"):
             self.reconnects.labels(target)

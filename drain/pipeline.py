@@ -143,6 +143,8 @@ class Pipeline:
                 self._collect(pending, results, everything=len(rows) < limit or bool(start_error),
                               timeout=SETTLE_TIMEOUT if stopping else None)
                 confirmed = [row_id for r in results for row_id in r.confirmed]
+                doomed += [(m.row_id, "refused", refusal.text[:1000]) for r in results
+                           for m, refusal in r.refused if refusal.action == "dead"]
                 deleted = self._store.delete(confirmed) if confirmed else 0
                 if doomed:
                     self._store.bury(doomed)
@@ -372,6 +374,21 @@ class Pipeline:
             del self.paused[queue]
             log.info("queue %r: publishing again", queue)
 
+    def _refused(self, result: PublishResult) -> None:
+        """Count and say what the broker refused (drain.refusal): dead-lettered rows
+        went to dead_jobs with the batch; held rows pause their queue."""
+        said: set[tuple[str, str]] = set()
+        for m, refusal in result.refused:
+            self.metrics.publish_refused.labels(str(refusal.code)).inc()
+            if refusal.action == "hold":
+                self._pause(m.pause_key, f"broker refused a publish to exchange "
+                            f"{m.exchange!r}: {refusal.text}; its rows stay staged")
+            elif (refusal.action, refusal.text) not in said:
+                said.add((refusal.action, refusal.text))
+                log.warning("broker refused a publish (%s): %s", refusal.text,
+                            "moved to dead_jobs (reason 'refused')" if refusal.action == "dead"
+                            else "its row stays staged; declaring its queue again")
+
     def _account(self, result: PublishResult) -> None:
         self.published += len(result.confirmed)
         self.metrics.published.inc(len(result.confirmed))
@@ -387,6 +404,7 @@ class Pipeline:
                                "bound); their rows stay staged")
         if result.nacked:
             log.warning("broker nacked %d message(s); their rows stay staged", result.nacked)
+        self._refused(result)
         if self._on_cycle is not None:
             self._on_cycle(len(result.confirmed) + len(result.returned) + result.nacked,
                            len(result.confirmed))

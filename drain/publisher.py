@@ -45,6 +45,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -54,12 +55,10 @@ from drain.amqp import EncodedProperties
 from drain.broker_list import BrokerList
 from drain.errors import BrokerBlocked, BrokerUnavailable, QueueDeclareRefused
 from drain.message import Message
-from drain.queue_declare import QueueDeclaringLink, QueueSpec
+from drain.queue_declare import QueueSpec
+from drain.refusal import ACKED, NACKED, RESOLVED, RETURNED, Refusal, RefusalProbingLink
 
-#: A message's status in its batch: pending until acked or nacked; _RETURNED is
-#: a flag set by a basic.return (before the ack that resolves it).
-_PENDING, _ACKED, _NACKED, _RETURNED = 0, 1, 2, 4
-_RESOLVED = _ACKED | _NACKED
+log = logging.getLogger(__name__)
 
 #: pika queues each AMQP frame on its own and sends each with its own send()
 #: call: three per message. Before the I/O loop turns, the frames of a batch
@@ -104,6 +103,8 @@ class Batch:
     generation: int = 0
     messages: list[Message] = dataclasses.field(default_factory=list)
     resolved: int = 0
+    #: Messages the broker refused (drain.refusal), by index.
+    refusals: dict[int, Refusal] = dataclasses.field(default_factory=dict)
 
     @property
     def row_ids(self) -> list[int]:
@@ -129,9 +130,12 @@ class PublishResult:
     confirmed_queues: set[str] = dataclasses.field(default_factory=set)
     #: The queues declared for the returned messages: declared again next time.
     returned_declared: set[str] = dataclasses.field(default_factory=set)
+    #: Messages the broker refused by closing the channel, and what becomes of
+    #: their rows (drain.refusal).
+    refused: list[tuple[Message, Refusal]] = dataclasses.field(default_factory=list)
 
 
-class Publisher(QueueDeclaringLink):
+class Publisher(RefusalProbingLink):
     """One AMQP connection and one confirm-mode channel."""
 
     def __init__(
@@ -157,6 +161,8 @@ class Publisher(QueueDeclaringLink):
         self._low = 1
         #: The highest delivery tag any ack or nack has named on this channel.
         self._confirmed_up_to = 0
+        #: The broker closed the publishing channel (drain.refusal): its reply.
+        self._refusal: str | None = None
 
     # -- connection (drain.amqp_link opens, closes and turns it) -----------------
 
@@ -167,6 +173,7 @@ class Publisher(QueueDeclaringLink):
         self._low = 1
         self._confirmed_up_to = 0
         self._generation += 1
+        self._refusal = None
 
     def _prepare_channel(self, channel: Any) -> None:
         channel.add_on_return_callback(self._on_return)
@@ -190,6 +197,9 @@ class Publisher(QueueDeclaringLink):
         self._raise_if_failed()
         if not self.connected:
             raise BrokerUnavailable(f"broker at {self._display_url}: not connected")
+        if self._refusal is not None:
+            self._recover()  # the new batch's tags count on the new channel
+            self._raise_if_failed()
         undeclared = queues - self._declared
         if undeclared:
             raise BrokerUnavailable(f"queues not declared yet: {sorted(undeclared)}")
@@ -245,10 +255,14 @@ class Publisher(QueueDeclaringLink):
         n = len(batch.status)
         limit = self._confirm_timeout if timeout is None else min(timeout, self._confirm_timeout)
         current = batch.generation == self._generation and self._conn is not None
-        finished = current and self._run_until(
-            lambda: (batch.resolved >= n or self._failure is not None
-                     or (until_blocked and self.blocked is not None)), limit
-        )
+        def done() -> bool:
+            return (batch.resolved >= n or self._failure is not None
+                    or self._refusal is not None or (until_blocked and self.blocked is not None))
+
+        finished = current and self._run_until(done, limit)
+        if current and self._refusal is not None:
+            self._recover()  # resolves every message published on the refused channel
+            finished = batch.resolved >= n or self._run_until(done, limit)
         if (until_blocked and current and self.blocked is not None
                 and batch.resolved < n and self._failure is None):
             raise BrokerBlocked(self.blocked)
@@ -271,16 +285,17 @@ class Publisher(QueueDeclaringLink):
         with contextlib.suppress(ValueError):
             self._inflight.remove(batch)
         status = batch.status
-        returned = [m for i, m in enumerate(batch.messages) if status[i] & _RETURNED]
+        returned = [m for i, m in enumerate(batch.messages) if status[i] & RETURNED]
         confirmed_queues = {
-            m.pause_key for i, m in enumerate(batch.messages) if status[i] & _ACKED
+            m.pause_key for i, m in enumerate(batch.messages) if status[i] & ACKED
         }
-        confirmed = [m.row_id for i, m in enumerate(batch.messages) if status[i] == _ACKED]
-        nacked = sum(1 for value in status if value & _NACKED)
+        confirmed = [m.row_id for i, m in enumerate(batch.messages) if status[i] == ACKED]
+        nacked = sum(1 for value in status if value & NACKED)
         return PublishResult(
             confirmed, [m.row_id for m in returned], nacked, error,
             {m.pause_key for m in returned}, confirmed_queues,
             {m.declared_queue for m in returned},
+            [(batch.messages[i], refusal) for i, refusal in sorted(batch.refusals.items())],
         )
 
     def publish(self, messages: Sequence[Message]) -> PublishResult:
@@ -308,12 +323,12 @@ class Publisher(QueueDeclaringLink):
                 m = batch.messages[i]
                 if (m.task_id == task_id and m.routing_key == routing_key
                         and m.exchange == exchange):
-                    batch.status[i] |= _RETURNED
+                    batch.status[i] |= RETURNED
 
     def _on_confirm(self, frame: Any) -> None:
         method = frame.method
         tag = method.delivery_tag
-        status = _ACKED if isinstance(method, pika.spec.Basic.Ack) else _NACKED
+        status = ACKED if isinstance(method, pika.spec.Basic.Ack) else NACKED
         first = self._low if method.multiple else tag
         self._confirmed_up_to = max(self._confirmed_up_to, tag)
         for batch in self._inflight:
@@ -324,9 +339,72 @@ class Publisher(QueueDeclaringLink):
                 continue
             statuses = batch.status
             for i in range(max(first - batch.base - 1, 0), min(tag - batch.base, size)):
-                if not statuses[i] & _RESOLVED:
+                if not statuses[i] & RESOLVED:
                     statuses[i] |= status
                     batch.resolved += 1
         if method.multiple:
             self._low = max(self._low, tag + 1)
         self._wake()
+
+    # -- a publish the broker refused (drain.refusal) ------------------------------
+
+    def _channel_refused(self, exc: BaseException) -> bool:
+        conn = self._conn
+        if (not isinstance(exc, pika.exceptions.ChannelClosedByBroker) or conn is None
+                or not conn.is_open or self._failure is not None):
+            return False
+        self._refusal = self._text(exc)
+        self._channel = None
+        self._wake()
+        return True
+
+    def _recover(self) -> None:
+        """The broker closed the publishing channel: find the refused messages among
+        the unconfirmed ones (drain.refusal), then open a new publishing channel.
+
+        Every message of the old channel ends resolved (acked, nacked, returned or
+        refused), unless the connection fails meanwhile (then ``_failure`` is set
+        and the unresolved ones stay staged, as when a connection is lost)."""
+        reply, self._refusal = self._refusal, None
+        batches = [b for b in self._inflight if b.generation == self._generation]
+        suspects: list[tuple[Batch, int]] = []
+        for batch in batches:
+            for i in range(len(batch.messages)):
+                if batch.status[i] & RESOLVED:
+                    continue
+                if batch.status[i] & RETURNED:
+                    # Handled (unroutable) before the close; its ack was lost with it.
+                    batch.status[i] |= ACKED
+                    batch.resolved += 1
+                else:
+                    suspects.append((batch, i))
+        log.warning("broker at %s refused a publish: %s (the channel closed); publishing "
+                    "the %d unconfirmed message(s) again one at a time to find it",
+                    self._display_url, reply, len(suspects))
+
+        def resolve(index: int, status: int, refusal: Refusal | None) -> None:
+            batch, i = suspects[index]
+            batch.status[i] |= status
+            batch.resolved += 1
+            if refusal is not None:
+                batch.refusals[i] = refusal
+
+        self.probe([batch.messages[i] for batch, i in suspects], resolve)
+        # Delivery tags count from 1 again on the new channel: no batch of the old
+        # one may take its confirms.
+        self._inflight = [b for b in self._inflight if b not in batches]
+        self._base_tag = 0
+        self._low = 1
+        self._confirmed_up_to = 0
+        self._reopen()
+
+    def _reopen(self) -> None:
+        """Open a new publishing channel on the same connection (or fail the link)."""
+        conn = self._conn
+        if conn is None or self._failure is not None:
+            return
+        self._ready = False
+        conn.channel(on_open_callback=self._on_channel_open)
+        if not self._run_until(lambda: self._ready or self._failure is not None,
+                               self._connect_timeout):
+            self._failure = self._failure or "no new channel in time after a refused publish"

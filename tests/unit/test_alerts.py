@@ -36,6 +36,7 @@ CONTRACT_COUNTERS = {
     "drain_expired_total",
     "drain_unroutable_total",
     "drain_nacked_total",
+    "drain_publish_refused_total",
     "drain_reconnects_total",
     "drain_unsettled_rows_total",
     "drain_stale_batches_total",
