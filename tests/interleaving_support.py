@@ -266,7 +266,9 @@ class Writer:
                     return
                 called = time.monotonic()
                 conn.commit()
-            except psycopg.errors.UniqueViolation:  # an identity reset's id is still staged
+            except (psycopg.errors.UniqueViolation, psycopg.errors.DeadlockDetected):
+                # An identity reset's id is still staged, or being staged by another
+                # writer that waits for one of ours: the writers' own collision.
                 conn.rollback()
                 self.collisions += 1
                 self._ended(txn.rows, committed=False)
