@@ -8,7 +8,9 @@ pika callback that changes what is being waited for calls
 :meth:`AmqpLink._wake` to stop the turn. It also follows the broker's
 ``connection.blocked`` / ``unblocked`` notices (a resource alarm), and turns
 pika's errors into one short line with no secrets in it, telling a refusal
-(login, vhost) from a network problem.
+(login, vhost) from a network problem. A block ends with its connection: a
+broker that blocks and then dies silently is noticed by the heartbeat, which
+is never off (drain.broker_options.heartbeat_for).
 
 Given a :class:`drain.broker_list.BrokerList` (a failover list), ``connect``
 tries its brokers in the list's order (one pass, see drain.broker_list) and
@@ -153,6 +155,7 @@ class AmqpLink:
         conn, self._conn = self._conn, None
         self._channel = None
         self._ready = False
+        self.blocked = None  # a block belongs to its connection
         if conn is None:
             return
         try:
@@ -213,6 +216,7 @@ class AmqpLink:
         if self._failure is None:
             self._failure = self._text(exc)
         self._ready = False
+        self._unblock_lost()
         self._wake()
 
     def _on_blocked(self, _conn: Any, frame: Any) -> None:
@@ -233,6 +237,14 @@ class AmqpLink:
             log.warning("broker at %s unblocked after %.1fs: publishing again",
                         self._display_url, time.monotonic() - self._blocked_since)
         self.blocked = reason
+
+    def _unblock_lost(self) -> None:
+        """The connection failed, and its block ends with it (``drain_broker_blocked``
+        returns to 0): the failure says how long the broker had blocked it."""
+        if self.blocked is not None and self._failure is not None:
+            self._failure += (f" (it had blocked publishing for "
+                              f"{time.monotonic() - self._blocked_since:.1f}s)")
+        self.blocked = None
 
     def _on_channel_open(self, channel: Any) -> None:
         self._channel = channel
@@ -288,6 +300,7 @@ class AmqpLink:
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
+            self._unblock_lost()
             failure = self._failure
             self.close()
             self._failure = None

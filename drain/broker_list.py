@@ -40,7 +40,13 @@ from collections.abc import Sequence
 import pika
 
 from drain import reachable
-from drain.broker_options import DEFAULT_HEARTBEAT, STRATEGIES, AppBroker, BrokerOptions
+from drain.broker_options import (
+    DEFAULT_HEARTBEAT,
+    STRATEGIES,
+    AppBroker,
+    BrokerOptions,
+    heartbeat_for,
+)
 from drain.config import DEFAULT_BROKER_URL, Settings
 from drain.errors import ConfigError
 from drain.urls import broker_list_parameters, secrets_of
@@ -149,16 +155,15 @@ class BrokerList:
 
 
 def build(urls: str | Sequence[str], options: BrokerOptions | None = None, *,
-          origin: str = "--broker-url") -> BrokerList:
+          origin: str = "--broker-url", heartbeat: int = DEFAULT_HEARTBEAT) -> BrokerList:
     """The brokers of a URL or list, reached as ``options`` say (the drain's
     defaults without them). Raises :class:`ConfigError` for a URL or an
     option that cannot be used, naming where it came from."""
     options = options or BrokerOptions()
     tls = options.tls()
-    heartbeat = options.heartbeat
     try:
         found = broker_list_parameters(
-            urls, heartbeat=DEFAULT_HEARTBEAT if heartbeat is None else heartbeat, tls=tls,
+            urls, heartbeat=heartbeat_for(options.heartbeat, heartbeat), tls=tls,
             server_hostname=options.server_hostname)
     except ConfigError as exc:
         if origin.startswith("the Celery app"):
@@ -194,8 +199,8 @@ def of_settings(settings: Settings, app: AppBroker | None = None) -> BrokerList:
         urls, origin = app.urls, f"the Celery app's {app.setting}"
     else:
         urls, origin = DEFAULT_BROKER_URL, "the default"
-    brokers = build(urls, options, origin=origin)
-    extra = options.describe()
+    brokers = build(urls, options, origin=origin, heartbeat=settings.broker_heartbeat)
+    extra = options.describe(settings.broker_heartbeat)
     if app is not None or len(brokers) > 1:
         log.info("brokers from %s: %s%s", origin, brokers.describe(),
                  f"; {extra}" if extra else "")

@@ -18,9 +18,12 @@ drain connects to, whether the URLs come from the app or from
   ``ExternalCredentials``) and needs TLS.
 * ``broker_heartbeat`` and ``broker_connection_timeout``, only where the app
   sets them (drain.celery_app): Celery's defaults (120 s, which only its
-  workers use; 4 s) do not replace the drain's own (a 30 s heartbeat; 5 s to
-  open the TCP connection, 10 s for it, TLS and the AMQP handshake). The
-  app's timeout bounds both.
+  workers use; 4 s) do not replace the drain's own (a 30 s heartbeat,
+  ``DRAIN_BROKER_HEARTBEAT``; 5 s to open the TCP connection, 10 s for it, TLS
+  and the AMQP handshake). The app's timeout bounds both. The heartbeat is
+  never off and at most :data:`MAX_HEARTBEAT` (:func:`heartbeat_for`): the
+  drain keeps its connection while the broker blocks it (a resource alarm),
+  and only the heartbeat tells a blocked broker from one that died silently.
 * ``broker_failover_strategy``: ``round-robin`` (the default) or ``shuffle``
   (drain.broker_list says what each does). Anything else, a callable or an
   iterator factory of kombu's, is refused.
@@ -41,6 +44,7 @@ from typing import Any
 import pika
 import pika.credentials
 
+from drain import config
 from drain.errors import ConfigError
 
 #: broker_use_ssl's keys that drain maps (py-amqp's names).
@@ -49,8 +53,10 @@ SSL_KEYS = ("keyfile", "certfile", "ca_certs", "cert_reqs", "server_hostname", "
 STRATEGIES = ("round-robin", "shuffle")
 #: broker_login_method's values that drain supports.
 LOGIN_METHODS = ("AMQPLAIN", "PLAIN", "EXTERNAL")
-#: The drain's heartbeat when the app sets none (seconds).
-DEFAULT_HEARTBEAT = 30
+#: The drain's heartbeat when the app sets none or 0 (seconds; --broker-heartbeat).
+DEFAULT_HEARTBEAT = config.DEFAULT_HEARTBEAT
+#: The longest heartbeat the drain negotiates, whatever the app sets (seconds).
+MAX_HEARTBEAT = config.MAX_HEARTBEAT
 #: cert_reqs as ssl's constants or their names (Celery's Redis settings spell them so too).
 _CERT_REQS = {
     "none": ssl.CERT_NONE, "cert_none": ssl.CERT_NONE,
@@ -159,15 +165,19 @@ class BrokerOptions:
             parameters.socket_timeout = self.connection_timeout
             parameters.stack_timeout = self.connection_timeout
 
-    def describe(self) -> str:
-        """What differs from the drain's defaults, for the start-up log ("" when nothing)."""
+    def describe(self, own: int = DEFAULT_HEARTBEAT) -> str:
+        """What differs from the drain's defaults, for the start-up log ("" when nothing);
+        ``own``: the drain's heartbeat (:func:`heartbeat_for`)."""
         parts = []
         if self.use_ssl is not False:
             parts.append("TLS (broker_use_ssl)")
         if self.login_method == "EXTERNAL":
             parts.append("login EXTERNAL")
         if self.heartbeat is not None:
-            parts.append(f"heartbeat {self.heartbeat}s")
+            used = heartbeat_for(self.heartbeat, own)
+            parts.append(f"heartbeat {used}s" if used == self.heartbeat else
+                         f"heartbeat {used}s (not the app's broker_heartbeat {self.heartbeat}: "
+                         f"never off, at most {MAX_HEARTBEAT}s)")
         if self.connection_timeout is not None:
             parts.append(f"connection timeout {self.connection_timeout:g}s")
         return ", ".join(parts)
@@ -236,6 +246,22 @@ def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value) if math.isfinite(value) else None
+
+
+def heartbeat_for(app_setting: int | None, own: int = DEFAULT_HEARTBEAT) -> int:
+    """The heartbeat (seconds) the drain asks for, given the app's ``broker_heartbeat``
+    (None: not set) and its own (``--broker-heartbeat``).
+
+    Never off: the drain waits on a broker that blocks it (a resource alarm)
+    without a time limit, and a broker that then dies without closing the
+    connection (a host gone, a silent network cut) is noticed only by missing
+    heartbeats, within 2 x (heartbeat + 5) s (pika checks every heartbeat + 5
+    s). So the app's 0 (none) or unset is the drain's own, and a longer one is
+    cut to :data:`MAX_HEARTBEAT`.
+    """
+    if not app_setting:
+        return own
+    return min(app_setting, MAX_HEARTBEAT)
 
 
 def _heartbeat(value: Any) -> int | None:

@@ -110,6 +110,14 @@ def _add_run_parser(sub: Any) -> None:
         help="abandon a batch (rows stay staged) when the broker has not confirmed it by then",
     )
     options.add(
+        p, "--broker-heartbeat", env="DRAIN_BROKER_HEARTBEAT", default=30,
+        parse=options.Number(whole=True, low=1, high=config.MAX_HEARTBEAT),
+        metavar="SECONDS",
+        help="the AMQP heartbeat when --app sets no broker_heartbeat or 0 (the app's own "
+        f"is cut to {config.MAX_HEARTBEAT}): a broker that dies silently, even while it "
+        "blocks publishing, is noticed within 2 x (this + 5) s",
+    )
+    options.add(
         p, "--db-timeout", env="DRAIN_DB_TIMEOUT", default=30.0,
         parse=options.Number(whole=False, low=0.1, high=86400),
         metavar="SECONDS",

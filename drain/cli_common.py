@@ -108,7 +108,7 @@ def settings_of(args: argparse.Namespace, **overrides: Any) -> config.Settings:
     """The settings the parsed flags of any command give (those it has)."""
     values: dict[str, Any] = {"database_url": args.database_url}
     for name in ("broker_url", "batch_size", "pipeline", "poll_interval", "confirm_timeout",
-                 "db_timeout",
+                 "db_timeout", "broker_heartbeat",
                  "queue_declare", "lock_key", "queue_max_priority", "max_message_size",
                  "fetch_strategy", "rescan_interval", "lanes", "lane", "celery_app",
                  "allow_unknown_tasks"):

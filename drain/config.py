@@ -33,6 +33,10 @@ MAX_LANES = 64
 DEFAULT_BATCH_SIZE = 1000
 #: RabbitMQ 4's max_message_size (3.x allows 128 MiB).
 DEFAULT_MAX_MESSAGE_SIZE = 16 * 1024 * 1024
+#: The drain's AMQP heartbeat when the Celery app sets none or 0, and the
+#: longest it uses whatever the app sets (drain.broker_options.heartbeat_for).
+DEFAULT_HEARTBEAT = 30
+MAX_HEARTBEAT = 60
 #: Batches in flight by default, and at most (drain.runner).
 DEFAULT_PIPELINE = 4
 MAX_PIPELINE = 16
@@ -65,6 +69,10 @@ class Settings:
     lock_key: int = DEFAULT_LOCK_KEY
     #: Seconds to wait for the broker to confirm a batch before abandoning it.
     confirm_timeout: float = 30.0
+    #: The AMQP heartbeat (seconds, 1 to 60) when the Celery app sets none or 0
+    #: (drain.broker_options.heartbeat_for): a broker that blocks the drain and
+    #: then dies silently is noticed within 2 x (heartbeat + 5) s.
+    broker_heartbeat: int = DEFAULT_HEARTBEAT
     #: Seconds Postgres may take over one of the drain's commands: the
     #: session's ``statement_timeout``. A command still unanswered
     #: ``ANSWER_GRACE`` seconds later means the server, or a pooler or network
@@ -148,12 +156,18 @@ class Settings:
                 )
         self._check_app()
         self._check_urls()
+        self._check_broker()
 
     def _check_urls(self) -> None:
         """Parse the URLs now so that a malformed one fails at start, not later."""
         database_conninfo(self.database_url)
         if self.broker_url is not None:
             broker_list_parameters(self.broker_url)
+
+    def _check_broker(self) -> None:
+        if not 1 <= self.broker_heartbeat <= MAX_HEARTBEAT:
+            raise ConfigError(f"broker heartbeat must be from 1 to {MAX_HEARTBEAT} s, "
+                              f"got {self.broker_heartbeat}")
 
     def _check_app(self) -> None:
         if self.celery_app and self.queue_max_priority:

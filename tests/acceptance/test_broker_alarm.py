@@ -11,10 +11,13 @@ application goes on staging.
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
+import textwrap
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import drain
@@ -141,3 +144,90 @@ def test_an_alarm_while_idle_holds_new_jobs_then_delivers_them(
     copies = support.check_at_least_once(support.drain_queue(queue), {**first, **ids})
     assert sum(copies.values()) == len(copies)
     _check_calm(proc.output())
+
+
+#: The drain's own heartbeat in the next test (DRAIN_BROKER_HEARTBEAT): a silent
+#: broker is noticed within 2 x (HEARTBEAT + 5) s (pika checks every heartbeat + 5 s).
+HEARTBEAT = 2
+
+
+def test_a_blocked_broker_that_dies_silently_is_noticed_though_the_app_sets_no_heartbeat(
+    db_url: str, queue: str, spawn: Any, broker_alarm: None, tmp_path: Path
+) -> None:
+    """The app's ``broker_heartbeat = 0`` asks for none: the drain uses its own
+    anyway (issue 24, item 6). The broker blocks the drain (a memory alarm), then
+    the first broker of the list goes silent (a stalled path: no close, nothing
+    forwarded) while the second is down: the drain notices within the heartbeat's
+    bound, ``drain_broker_blocked`` returns to 0 with the connection, and once the
+    alarm clears and the second broker is back every held job goes out through it."""
+    first, second = support.TcpProxy(5672).start(), support.TcpProxy(5672).start()
+    shown = [f"amqp://guest:***@127.0.0.1:{p.port}//" for p in (first, second)]
+    (tmp_path / "silent_broker_app.py").write_text(textwrap.dedent(f"""
+        from celery import Celery
+
+        app = Celery("silent_broker_app", set_as_current=False)
+        app.conf.broker_url = ("amqp://guest:guest@127.0.0.1:{first.port}//;"
+                               "amqp://guest:guest@127.0.0.1:{second.port}//")
+        app.conf.broker_heartbeat = 0
+
+
+        @app.task(name="silent_broker.record")
+        def record(i, **kwargs):
+            return i
+    """))
+    env = support.drain_env(db_url, DRAIN_BROKER_HEARTBEAT=str(HEARTBEAT))
+    del env["DRAIN_BROKER_URL"]
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    port = support.free_port()
+    try:
+        proc = spawn(support.drain_argv(
+            "run", "--app", "silent_broker_app", "--poll-interval", "0.2",
+            "--confirm-timeout", str(CONFIRM_TIMEOUT), "--metrics-port", str(port)), env, "drain")
+        proc.wait_for_output(f"connected to broker at {shown[0]} (1 of 2)", timeout=30)
+        before = _stage_app(db_url, queue, range(5))
+        support.wait_for(lambda: support.staged_count(db_url) == 0, 30, "the first jobs")
+        try:
+            alarm.raise_alarm()
+            held = _stage_app(db_url, queue, range(5, 25))  # the drain tries to publish them
+            proc.wait_for_output("blocks publishing", timeout=30)
+            support.wait_for(lambda: _blocked_metric(port) == 1, 30,
+                             "drain_broker_blocked to be 1")
+            second.refuse()  # down: the drain cannot fail over at once
+            first.stall()  # silent: the connection stays open, nothing comes back
+            silent_at = time.monotonic()
+            support.wait_for(lambda: "blocked publishing for" in proc.output(), NOTICED_WITHIN,
+                             "the drain to notice the silent broker")
+            noticed = time.monotonic() - silent_at
+            first.refuse()
+            support.wait_for(lambda: _blocked_metric(port) == 0, 30,
+                             "drain_broker_blocked to return to 0 with the connection")
+            assert support.staged_count(db_url) == len(held)
+        finally:
+            alarm.clear_alarm()
+        second.restart()
+        support.wait_for(lambda: support.staged_count(db_url) == 0, 60,
+                         "the held jobs to go out through the second broker")
+    finally:
+        first.stop()
+        second.stop()
+    out = proc.output()
+    assert f"{shown[1]} (2 of 2)" in out, out[-3000:]
+    assert _blocked_metric(port) == 0
+    copies = support.check_at_least_once(support.drain_queue(queue), {**before, **held})
+    print(f"\n[blocked, then silent] app broker_heartbeat 0, drain heartbeat {HEARTBEAT}s: "
+          f"noticed {noticed:.1f}s after the broker went silent (bound "
+          f"{2 * (HEARTBEAT + 5)}s); {sum(copies.values()) - len(copies)} duplicates")
+
+
+#: How long the test waits for the silent broker to be noticed: far above the
+#: bound (2 x (HEARTBEAT + 5) s); without a heartbeat it is never noticed.
+NOTICED_WITHIN = 60.0
+
+
+def _stage_app(db_url: str, queue: str, numbers: range) -> dict[str, int]:
+    """Stage the app's task for each number: {task id: number}."""
+    with support.connect(db_url) as conn:
+        ids = drain.stage_many(conn, (drain.Job("silent_broker.record", [i], {"i": i},
+                                                queue=queue) for i in numbers))
+    return {str(task_id): i for i, task_id in zip(numbers, ids, strict=True)}

@@ -18,8 +18,9 @@ import pika.credentials
 import pytest
 
 from drain import broker_list
-from drain.broker_options import BrokerOptions
-from drain.errors import ConfigError
+from drain.amqp_link import AmqpLink
+from drain.broker_options import BrokerOptions, heartbeat_for
+from drain.errors import BrokerUnavailable, ConfigError
 
 URL = "amqp://app:Vk2Qx7Wz@rabbit.internal//"
 SYSTEM_CAS = Path("/etc/ssl/certs/ca-certificates.crt")
@@ -182,9 +183,33 @@ def test_other_login_methods_are_refused() -> None:
 # -- heartbeat, timeout, strategy --------------------------------------------------------
 
 
-@pytest.mark.parametrize(("value", "heartbeat"), [(None, 30), (10, 10), (0, 0), (2.5, 3)])
+@pytest.mark.parametrize(("value", "heartbeat"),
+                         [(None, 30), (10, 10), (0, 30), (2.5, 3), (60, 60), (120, 60)])
 def test_heartbeat(value: float | None, heartbeat: int) -> None:
+    """Never off (a blocked broker that dies silently is noticed only by the
+    heartbeat: issue 24, item 6), at most 60 s."""
     assert _one(URL, BrokerOptions.of(heartbeat=value)).heartbeat == heartbeat
+
+
+@pytest.mark.parametrize(("value", "heartbeat"), [(None, 2), (0, 2), (10, 10), (600, 60)])
+def test_the_drains_own_heartbeat_replaces_none_or_0(value: int | None, heartbeat: int) -> None:
+    assert heartbeat_for(value, 2) == heartbeat
+    found = broker_list.build(URL, BrokerOptions.of(heartbeat=value), heartbeat=2)
+    assert found.current.parameters.heartbeat == heartbeat
+
+
+def test_a_block_ends_with_its_connection() -> None:
+    """drain_broker_blocked reads AmqpLink.blocked: a lost connection unblocks it,
+    and the loss says how long the broker had blocked it."""
+    link = AmqpLink(broker_list.build(URL), display_url="")
+    link._set_blocked("low on memory")
+    link._on_connection_closed(None, OSError(0, "connection lost"))
+    assert link.blocked is None
+    with pytest.raises(BrokerUnavailable, match=r"connection lost \(it had blocked publishing"):
+        link._raise_if_failed()
+    link._set_blocked("low on memory")
+    link.close()
+    assert link.blocked is None
 
 
 def test_connection_timeout_bounds_the_connect_and_the_handshake() -> None:
@@ -234,3 +259,5 @@ def test_what_differs_from_the_drains_defaults_is_described() -> None:
                                connection_timeout=2)
     assert options.describe() == ("TLS (broker_use_ssl), login EXTERNAL, heartbeat 10s, "
                                   "connection timeout 2s")
+    assert BrokerOptions.of(heartbeat=0).describe(5) == (
+        "heartbeat 5s (not the app's broker_heartbeat 0: never off, at most 60s)")

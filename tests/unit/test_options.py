@@ -16,6 +16,7 @@ NUMERIC = [
     ("run", "--pipeline", "DRAIN_PIPELINE", ["0", "17", "two"]),
     ("run", "--poll-interval", "DRAIN_POLL_INTERVAL", ["0", "-1", "nan", "inf", "soon", ""]),
     ("run", "--confirm-timeout", "DRAIN_CONFIRM_TIMEOUT", ["0", "-30", "NaN", "1e999"]),
+    ("run", "--broker-heartbeat", "DRAIN_BROKER_HEARTBEAT", ["0", "61", "2.5", "off"]),
     ("run", "--queue-max-priority", "DRAIN_QUEUE_MAX_PRIORITY", ["-1", "256", "high"]),
     ("run", "--max-message-size", "DRAIN_MAX_MESSAGE_SIZE", ["0", "16MB"]),
     ("run", "--rescan-interval", "DRAIN_RESCAN_INTERVAL", ["-1", "nan", "-inf", "never"]),
