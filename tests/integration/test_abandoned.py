@@ -171,7 +171,7 @@ def test_a_standby_handed_the_former_backend_is_not_ended(
         store.close()
 
 
-@pytest.mark.parametrize("path", ["pgbouncer", "direct"])
+@pytest.mark.parametrize("path", ["pgbouncer", "direct", "direct, lane 1 of 2"])
 def test_a_frozen_backend_holding_the_lock_is_ended_and_the_drain_leads_again(
     path: str, db_url: str, bouncer: pgbouncer.PgBouncer, proxies: list[support.TcpProxy],
     caplog: pytest.LogCaptureFixture,
@@ -180,8 +180,9 @@ def test_a_frozen_backend_holding_the_lock_is_ended_and_the_drain_leads_again(
     holding the lock, until the drain ends it."""
     url = (_through(proxies, bouncer.url(db_url), bouncer.port) if path == "pgbouncer"
            else _through(proxies, db_url, 5432))
-    store = _store(url)
-    standby = _store(db_url)
+    lanes = {"lanes": 2, "lane": 1} if "lane" in path else {}
+    store = _store(url, **lanes)
+    standby = _store(db_url, **lanes)
     try:
         assert store.try_lock()
         ghost = _hang(store, proxies[-1], replies_only=False)
