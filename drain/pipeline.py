@@ -84,6 +84,8 @@ class Pipeline:
         self.inflight: list[Batch] = []
         #: queue -> (paused until (monotonic), times paused, last reason logged)
         self.paused: dict[str, tuple[float, int, str]] = {}
+        #: queue -> consecutive pauses for nacks (reset by a confirm without a nack).
+        self._nacks: dict[str, int] = {}
         #: Rows the broker confirmed, this process's lifetime.
         self.published = 0
         self._heads_at = 0.0
@@ -361,9 +363,11 @@ class Pipeline:
                 self._pause(queue, str(refusal))
         self._resume(due - set(refused))
 
-    def _pause(self, queue: str, reason: str) -> None:
-        """Leave ``queue``'s rows staged for a while (doubling up to 30 s) and say why once."""
+    def _pause(self, queue: str, reason: str, *, times: int = 0) -> None:
+        """Leave ``queue``'s rows staged for a while (doubling up to 30 s, at least as
+        after ``times`` pauses) and say why once."""
         _, count, last = self.paused.get(queue, (0.0, 0, ""))
+        count = max(count, times)
         delay = min(2.0**count, 30.0)
         self.paused[queue] = (time.monotonic() + delay, count + 1, reason)
         if reason != last:
@@ -404,6 +408,17 @@ class Pipeline:
                                "bound); their rows stay staged")
         if result.nacked:
             log.warning("broker nacked %d message(s); their rows stay staged", result.nacked)
+        for queue in result.confirmed_queues - result.nacked_queues:
+            self._nacks.pop(queue, None)
+        for queue in sorted(result.nacked_queues):
+            # Nacked again at once if published again at once (a full queue with
+            # x-overflow reject-publish): with backoff, not in a loop. A pause ends
+            # when the queue can be declared, which says nothing here: the backoff
+            # grows until a message to it is confirmed.
+            times = self._nacks[queue] = self._nacks.get(queue, 0) + 1
+            self._pause(queue, f"the broker nacks messages to queue {queue!r} (full, with "
+                               "x-overflow reject-publish?); their rows stay staged",
+                        times=times - 1)
         self._refused(result)
         if self._on_cycle is not None:
             self._on_cycle(len(result.confirmed) + len(result.returned) + result.nacked,

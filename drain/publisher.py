@@ -133,6 +133,8 @@ class PublishResult:
     #: Messages the broker refused by closing the channel, and what becomes of
     #: their rows (drain.refusal).
     refused: list[tuple[Message, Refusal]] = dataclasses.field(default_factory=list)
+    #: The (staged) queues of the nacked messages: the drain pauses these.
+    nacked_queues: set[str] = dataclasses.field(default_factory=set)
 
 
 class Publisher(RefusalProbingLink):
@@ -296,6 +298,7 @@ class Publisher(RefusalProbingLink):
             {m.pause_key for m in returned}, confirmed_queues,
             {m.declared_queue for m in returned},
             [(batch.messages[i], refusal) for i, refusal in sorted(batch.refusals.items())],
+            {m.pause_key for i, m in enumerate(batch.messages) if status[i] & NACKED},
         )
 
     def publish(self, messages: Sequence[Message]) -> PublishResult:

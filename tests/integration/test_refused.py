@@ -6,7 +6,9 @@ costs only itself; the connection is kept and its next batches flow.
 * 406, a message over RabbitMQ's ``max_message_size`` (128 MiB on 3.x);
 * 403, a user without write permission on one exchange: held, not dead;
 * 404 on an exchange the drain declares for the queue, deleted behind its
-  back: declared again once per connection, not in a loop.
+  back: declared again once per connection, not in a loop;
+* a nack (a full queue with ``x-overflow: reject-publish``): that row is
+  published again with backoff, not in a loop.
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ from tests import support
 from tests.integration.conftest import Running
 
 BUILDER = message.Builder(origin="gen1@test", reply_to=str(uuid.uuid4()))
+
+
+@pytest.fixture
+def other_queue() -> Iterator[str]:
+    name = support.unique("drain_test_other")
+    yield name
+    support.delete_queue(name)
 
 
 @pytest.fixture
@@ -216,3 +225,37 @@ def test_a_drain_without_write_permission_holds_its_rows_and_says_so(
     assert len(support.drain_queue(queue)) == 3
     said = [r.getMessage() for r in caplog.records if "ACCESS_REFUSED" in r.getMessage()]
     assert any("its rows stay staged" in line for line in said), said
+
+
+def test_a_nacked_row_is_retried_with_backoff_not_in_a_loop(
+    db_url: str, queue: str, other_queue: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full queue (x-overflow reject-publish) nacks its row; the other rows flow,
+    the nacked one is published again with backoff (before: in a loop, ~235
+    nacks and log lines a second) and delivered once there is room."""
+    with support.broker_channel() as ch:
+        ch.queue_declare(queue, durable=True,
+                         arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
+        ch.basic_publish("", queue, b"filler")
+        ch.queue_declare(other_queue, durable=True)
+    with psycopg.connect(db_url) as conn:
+        drain.stage(conn, "t.nacked", [0], queue=queue)
+        for i in range(5):
+            drain.stage(conn, "t.flowing", [i], queue=other_queue)
+    running = Running(Settings(database_url=db_url, broker_url=support.BROKER_URL,
+                               poll_interval=0.2, max_backoff=0.5, queue_declare="passive"))
+    try:
+        metrics = running.drain.metrics.registry
+        support.wait_for(lambda: metrics.get_sample_value("drain_nacked_total"), 30, "a nack")
+        support.wait_for(lambda: support.staged_count(db_url) == 1, 30, "the other rows")
+        assert queue in running.drain.pipeline.paused
+        delivered = support.drain_queue(queue)  # room: the row may follow at once
+        assert delivered[0][2] == b"filler"
+        support.wait_for(lambda: support.staged_count(db_url) == 0, 60, "the nacked row")
+        nacks = metrics.get_sample_value("drain_nacked_total")
+    finally:
+        running.stop()
+    assert len(delivered[1:] + support.drain_queue(queue)) == 1
+    assert len(support.drain_queue(other_queue)) == 5
+    # 1, 2, 4... s apart: a handful, whatever the machine's speed.
+    assert nacks is not None and nacks <= 5, nacks
