@@ -14,13 +14,19 @@ With ``drain run --app``, each staged row is sent where, and as,
    ``Queue``, its exchange and routing key), ``task_default_queue`` and
    ``task_create_missing_queues``.
 3. What Celery's ``send_task_message`` then does with the routed options
-   (:func:`_publish_target`): a direct exchange without a routing key goes
+   (:func:`publish_target`): a direct exchange without a routing key goes
    through the default exchange ``''`` with the queue's name, anything else to
-   the route's (or the queue's) exchange and routing key.
+   the route's (or the queue's) exchange and routing key. A route may name an
+   exchange and no queue (Celery's documented ``{'exchange': 'video',
+   'exchange_type': 'topic', 'routing_key': 'video.compress'}``): the message
+   goes to that exchange with that key.
 
-The queue a message is meant for is declared as the app declares it
-(:meth:`AppRouter.spec`): its exchange with its type, the queue with its
-arguments (``x-queue-type``, ``x-max-priority``, TTLs...), its bindings.
+What ``send_task_message`` declares is declared, nothing more
+(:meth:`AppRouter.spec`): the routed kombu ``Queue`` itself, whether the app's
+``task_queues`` hold it or a route gives it as an object (its exchange with
+its type, the queue with its arguments, ``x-queue-type``, ``x-max-priority``,
+TTLs..., its bindings); nothing for a ``Broadcast`` queue (its ``bcast.<uuid>``
+queue is each worker's own) nor for a route with an exchange and no queue.
 
 A row staged without a queue (``queue`` NULL, or ``'celery'`` staged before
 ``drain migrate`` made "no queue given" NULL, ``queue_legacy``:
@@ -38,6 +44,7 @@ priority) becomes, per answer; only the router itself runs per row.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -45,6 +52,7 @@ from typing import Any
 
 from celery import Celery
 from celery.app.routes import MapRoute
+from kombu.common import Broadcast
 from kombu.entity import Exchange, Queue
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
@@ -67,8 +75,11 @@ class UnknownTask(Exception):
     """The row's task is not registered in the app."""
 
 
-class Unroutable(Exception):
-    """The app's routing gives no queue for the row."""
+#: The declaration key (:attr:`Destination.queue`) of a message for which
+#: nothing is declared (a ``Broadcast`` route, a route with an exchange and no
+#: queue). RabbitMQ refuses queue names starting with ``amq.`` to clients, so no
+#: queue of the app can have it.
+NOTHING_DECLARED = "amq.drain: nothing declared"
 
 
 def of_settings(settings: Settings) -> AppRouter | None:
@@ -89,7 +100,9 @@ class AppRouter:
         #: Plain mapping routes only: the answer depends on the task name and queue.
         self.static = all(isinstance(route, MapRoute) for route in app.amqp.routes)
         self._cache: dict[tuple[str, str | None], Destination] = {}
-        self._specs: dict[str, QueueSpec] = {}
+        #: What each declaration key (:attr:`Destination.queue`) declares.
+        self._specs: dict[str, QueueSpec] = {
+            NOTHING_DECLARED: QueueSpec(NOTHING_DECLARED, no_declare=True)}
         self._starts: dict[tuple[str, str | None], _Start] = {}
         # Both are the app's for good once it is finalized (cached properties).
         self._router = app.amqp.router
@@ -125,12 +138,24 @@ class AppRouter:
             self._answers[(row.task_name, answer)] = found
         return found
 
-    def spec(self, queue: str) -> QueueSpec:
-        """How the app declares ``queue`` (what kombu's ``Queue.declare`` sends)."""
-        found = self._specs.get(queue)
-        if found is None:
-            found = self._specs[queue] = queue_spec(self.app.amqp.queues[queue])
-        return found
+    def spec(self, key: str) -> QueueSpec:
+        """What is declared for the messages of declaration key ``key`` (a
+        :attr:`Destination.queue` this router gave): what kombu's ``Queue.declare``
+        sends for the routed queue."""
+        return self._specs[key]
+
+    def _declaration_key(self, queue: Queue | None) -> str:
+        """The key :meth:`spec` declares ``queue`` by: its name, unless another
+        queue of that name but declared otherwise (a kombu ``Queue`` given by a
+        route) came first."""
+        if queue is None:
+            return NOTHING_DECLARED
+        spec = queue_spec(queue)
+        key, n = str(queue.name), 1
+        while self._specs.setdefault(key, spec) != spec:
+            n += 1
+            key = f"{queue.name} (declared otherwise, #{n})"
+        return key
 
     def _start(self, name: str, queue: str | None) -> _Start:
         """What ``apply_async`` starts from for task ``name`` (raises UnknownTask)."""
@@ -169,8 +194,9 @@ class AppRouter:
         return tuple(sorted(items))
 
     def _destination(self, start: _Start, routed: dict[str, Any]) -> Destination:
-        target, exchange, routing_key = _publish_target(self.app, routed)
-        arguments = self.spec(target.name).arguments or {}
+        declared, exchange, routing_key = publish_target(self.app, routed)
+        key = self._declaration_key(declared)
+        arguments = self.spec(key).arguments or {}
         # Celery's router drops a None priority when it merges a route (kombu then
         # publishes 0) and keeps it when it returns the options as they came (no
         # priority property at all): the same here.
@@ -178,7 +204,7 @@ class AppRouter:
         return Destination(
             exchange=exchange,
             routing_key=routing_key,
-            queue=target.name,
+            queue=key,
             priority=None if priority is None else int(priority),
             max_priority=int(arguments.get("x-max-priority") or 0),
             timelimit=start.timelimit,
@@ -197,38 +223,58 @@ class _Start:
     ignore_result: bool | None
 
 
-def _publish_target(app: Celery, routed: dict[str, Any]) -> tuple[Queue, str, str]:
-    """The queue to declare, the exchange and the routing key that the app's
-    publishing makes of the routed options (Celery has no public call for it).
+def publish_target(app: Celery, routed: dict[str, Any]) -> tuple[Queue | None, str, str]:
+    """The queue to declare (None: nothing), the exchange and the routing key that
+    Celery's ``send_task_message`` makes of the routed options (Celery has no
+    public call for it; this follows it step by step).
 
-    The app's kombu ``Queue`` is the one named by the route, or the default
-    queue when the route names neither a queue nor an exchange. A direct route
-    that lacks its exchange or its routing key goes through the default
-    exchange, keyed by the queue's name; any other route without an exchange
-    takes the queue's exchange (else the app's default) and the route's key,
-    else the queue's, else the app's default key.
+    The queue is the one the route names (a name of the app's ``task_queues``, or
+    a kombu ``Queue`` given by the route), or the app's default queue when the
+    route names neither a queue nor an exchange. A direct route (the route's
+    ``exchange_type``, else the queue's exchange's type) that lacks its exchange
+    or its routing key goes through the default exchange, keyed by the name the
+    route gave the queue by; any other route without an exchange takes the
+    queue's exchange (else the app's default) and the route's key, else the
+    queue's, else the app's default key. A route with an exchange keeps it and
+    its routing key. A ``Broadcast`` queue is not declared.
     """
     queue = routed.get("queue")
-    if queue is None and routed.get("exchange") is None:
-        queue = app.amqp.default_queue
-    if isinstance(queue, str):
-        queue = app.amqp.queues[queue]
-    if not isinstance(queue, Queue):
-        raise Unroutable(f"the app routes it to no queue (route: {routed!r})")
     exchange = routed.get("exchange")
-    key = routed.get("routing_key")
-    kind = routed.get("exchange_type") or getattr(queue.exchange, "type", None) or "direct"
-    if kind == "direct" and not (exchange and key):
-        return queue, "", str(queue.name)
-    if exchange is None:
-        exchange = getattr(queue.exchange, "name", None) or app.amqp.default_exchange
-        key = key or queue.routing_key or app.conf.task_default_routing_key
+    routing_key = routed.get("routing_key")
+    exchange_type = routed.get("exchange_type")
+    queue_name = queue
+    if queue is None and exchange is None:
+        queue = app.amqp.default_queue
+    if queue is not None:
+        if isinstance(queue, str):
+            queue_name, queue = queue, app.amqp.queues[queue]
+        else:
+            queue_name = queue.name
+    if exchange_type is None:
+        try:
+            exchange_type = queue.exchange.type  # type: ignore[union-attr]
+        except AttributeError:  # no queue, or a queue without an exchange
+            exchange_type = "direct"
+    if (not exchange or not routing_key) and exchange_type == "direct":
+        exchange, routing_key = "", queue_name
+    elif exchange is None:
+        assert queue is not None  # no exchange: the queue (or the default queue) is set
+        exchange = queue.exchange.name or app.amqp.default_exchange
+        routing_key = routing_key or queue.routing_key or app.conf.task_default_routing_key
     name = exchange.name if isinstance(exchange, Exchange) else exchange
-    return queue, str(name or ""), str(key or "")
+    declared = queue if isinstance(queue, Queue) and not isinstance(queue, Broadcast) else None
+    return declared, str(name or ""), str(routing_key or "")
 
 
 def queue_spec(queue: Any) -> QueueSpec:
-    """A kombu ``Queue`` as drain.queue_declare declares it, as ``Queue.declare`` would."""
+    """A kombu ``Queue`` as drain.queue_declare declares it, as ``Queue.declare`` would.
+
+    kombu declares a copy of the queue bound to its channel (``Queue.bind``), made
+    anew from its attributes: the spec is made of such a copy too. (A queue with
+    extra bindings loses its main exchange that way, for one: kombu declares and
+    binds only the extra ones, even after Celery gave it the app's default exchange.)
+    """
+    queue = copy.copy(queue)
     arguments = to_rabbitmq_queue_arguments(
         queue.queue_arguments or {}, expires=queue.expires, message_ttl=queue.message_ttl,
         max_length=queue.max_length, max_length_bytes=queue.max_length_bytes,

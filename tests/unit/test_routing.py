@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from kombu.entity import Queue
+from kombu.common import Broadcast
+from kombu.entity import Exchange, Queue
 
 from drain import celery_app, routing
 from drain.errors import ConfigError
@@ -52,15 +53,58 @@ def test_routes_as_apply_async(app: Celery) -> None:
 
 def test_declarations_are_the_apps(app: Celery) -> None:
     router = routing.AppRouter(app)
-    assert router.spec(N["quorum"]).arguments == {"x-queue-type": "quorum"}
-    assert router.spec(N["priority"]).arguments == {"x-max-priority": 10}
-    reports = router.spec(N["reports"])
+
+    def spec_for(task: str, queue: str | None = None) -> Any:
+        return router.spec(router.destination(_row(task, queue=queue)).queue)
+
+    assert spec_for("mail.send").arguments == {"x-queue-type": "quorum"}
+    assert spec_for("orders.process", N["priority"]).arguments == {"x-max-priority": 10}
+    reports = spec_for("report.daily")
     assert [(b.exchange.name, b.exchange.type, b.routing_key) for b in reports.bindings] == [
         (N["topic"], "topic", "report.#")]
     # A queue the app does not define is created as Celery creates a missing one.
-    missing = router.spec("adhoc_unit")
+    missing = spec_for("orders.process", "adhoc_unit")
     assert (missing.arguments, missing.durable) == (None, True)
     assert [b.exchange.name for b in missing.bindings] == ["adhoc_unit"]
+
+
+def test_exchange_only_broadcast_and_queue_object_routes() -> None:
+    """What send_task_message does with them: an exchange and no queue publishes
+    there and declares nothing; a Broadcast goes to its fanout exchange and its
+    bcast queue is not declared; a kombu Queue given by a route is declared as
+    itself, even when the app defines another queue of that name."""
+    app = Celery("shapes_unit", set_as_current=False)
+    own = Queue("q_unit", Exchange("x_own_unit", type="topic"), routing_key="own.#",
+                queue_arguments={"x-max-priority": 5})
+    app.conf.task_queues = [Queue("q_unit"), Broadcast("bc_unit")]
+    app.conf.task_routes = {
+        "video.compress": {"exchange": "video_unit", "exchange_type": "topic",
+                           "routing_key": "video.compress"},
+        "cache.reset": {"queue": "bc_unit", "exchange": "bc_unit"},
+        "own.task": {"queue": own, "routing_key": "own.a"},
+    }
+    try:
+        router = routing.AppRouter(app, allow_unknown=True)
+        video = router.destination(_row("video.compress"))
+        assert (video.exchange, video.routing_key, video.queue) == (
+            "video_unit", "video.compress", routing.NOTHING_DECLARED)
+        assert router.spec(video.queue).no_declare
+        bcast = router.destination(_row("cache.reset"))
+        assert (bcast.exchange, bcast.routing_key) == ("bc_unit", "")
+        assert router.spec(bcast.queue).no_declare
+        mine = router.destination(_row("own.task"))
+        assert (mine.exchange, mine.routing_key, mine.max_priority) == ("x_own_unit", "own.a", 5)
+        spec = router.spec(mine.queue)
+        assert (spec.name, spec.arguments) == ("q_unit", {"x-max-priority": 5})
+        assert [(b.exchange.name, b.exchange.type, b.routing_key) for b in spec.bindings] == [
+            ("x_own_unit", "topic", "own.#")]
+        # The app's own q_unit (plain, default exchange) keeps its own declaration.
+        plain = router.destination(_row("other.task", queue="q_unit"))
+        assert plain.queue != mine.queue
+        assert (router.spec(plain.queue).name, router.spec(plain.queue).arguments) == (
+            "q_unit", None)
+    finally:
+        app.close()
 
 
 def test_unknown_tasks(app: Celery) -> None:
