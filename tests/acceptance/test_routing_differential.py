@@ -1,0 +1,189 @@
+"""``drain run --app`` publishes what the app's own ``apply_async`` publishes, for
+routing configurations drawn from a seed (tests/route_shapes.py).
+
+For each drawn app, every row is sent twice, each into its own RabbitMQ vhost
+with the firehose tracer on (tests/firehose.py): by the app's own
+``task.apply_async(args, kwargs, task_id=..., [queue=...])`` in this process,
+and by ``drain run --app tests.differential_app`` from the staged row. Then,
+message for message (by task id), the exchange, the routing keys, the
+properties, the headers (names, order and values) and the body must be the
+same; only ``reply_to`` and the ``origin`` header, which name the sending
+process, may differ. At the end, the two vhosts must hold the same queues (with
+their arguments), exchanges and bindings: the drain declares what
+``apply_async`` declares, nothing more.
+
+Exchanges that routes name without a queue (and Broadcast's fanout
+exchanges) are declared by the test in both vhosts beforehand, as the app's
+workers would; what an exchange cannot route goes to a catch-all queue (an
+alternate exchange, by policy), since the drain publishes with ``mandatory``
+and keeps a row staged while its message would go nowhere.
+
+The seed is random unless ``DRAIN_DIFF_SEED`` is set, and printed (replay:
+``DRAIN_DIFF_SEED=<seed>``); ``DRAIN_DIFF_APPS`` apps are drawn (default 8).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from tests import firehose, route_shapes, support
+
+#: Seconds one drain run may take for one app's rows (normally 2-4).
+DRAIN_RUN_LIMIT = 120
+
+
+def _stage(db_url: str, spec: dict[str, Any], restart: int) -> dict[str, dict[str, Any]]:
+    """Stage the spec's rows (ids from ``restart`` on, as after an identity
+    restart, or their own): {task id: row}."""
+    staged: dict[str, dict[str, Any]] = {}
+    with psycopg.connect(db_url) as conn:
+        conn.execute(f"ALTER TABLE staged_jobs ALTER COLUMN id RESTART WITH {int(restart)}")
+        for row in spec["rows"]:
+            task_id = str(uuid.uuid4())
+            columns = {"task_id": task_id, "task_name": row["task"], "args": Jsonb(row["args"]),
+                       "kwargs": Jsonb(row["kwargs"]), "queue_legacy": row["legacy"]}
+            if row["queue"] is not None:
+                columns["queue"] = row["queue"]
+            if row["id"] is not None:
+                columns["id"] = row["id"]
+            conn.execute(f"INSERT INTO staged_jobs ({', '.join(columns)}) OVERRIDING SYSTEM "
+                         f"VALUE VALUES ({', '.join(['%s'] * len(columns))})",
+                         list(columns.values()))
+            staged[task_id] = row
+    return staged
+
+
+def _apply_async(spec: dict[str, Any], vhost: str, staged: dict[str, dict[str, Any]]) -> None:
+    """What the app sends: apply_async, with queue= where the row names one."""
+    app = route_shapes.build_app(spec, firehose.url(vhost))
+    try:
+        for task_id, row in staged.items():
+            options = {} if row["queue"] is None or row["legacy"] else {"queue": row["queue"]}
+            app.tasks[row["task"]].apply_async(row["args"], row["kwargs"], task_id=task_id,
+                                               **options)
+    finally:
+        app.close()
+
+
+def _traced(tap: firehose.Tap, keep: set[str], wait: set[str],
+            what: str) -> dict[str, firehose.Published]:
+    """The first traced publish of each of ``keep``, once every one of ``wait`` came."""
+    found: dict[str, firehose.Published] = {}
+
+    def more() -> bool:
+        for published in tap.read():
+            task_id = str(published[2].get("headers", {}).get("id"))
+            if task_id in keep:
+                found.setdefault(task_id, published)
+        return wait <= set(found)
+
+    support.wait_for(more, 60, what)
+    return found
+
+
+def differences(ours: firehose.Published, theirs: firehose.Published) -> list[str]:
+    """What differs between two publishes, apart from what names the sending process."""
+    found = []
+    for what, a, b in zip(("exchange", "routing keys", "body"), (ours[0], ours[1], ours[3]),
+                          (theirs[0], theirs[1], theirs[3]), strict=True):
+        if a != b:
+            found.append(f"{what}: {a!r} != {b!r}")
+    p1, p2 = dict(ours[2]), dict(theirs[2])
+    h1, h2 = dict(p1.pop("headers", {})), dict(p2.pop("headers", {}))
+    for per_process in (p1, p2, h1, h2):
+        per_process.pop("reply_to", None)
+        per_process.pop("origin", None)
+    if list(h1) != list(h2):
+        found.append(f"header names or order: {list(h1)} != {list(h2)}")
+    for kind, a_all, b_all in (("property", p1, p2), ("header", h1, h2)):
+        for key in sorted(set(a_all) | set(b_all)):
+            if a_all.get(key) != b_all.get(key):
+                found.append(f"{kind} {key}: {a_all.get(key)!r} != {b_all.get(key)!r}")
+    return found
+
+
+def _describe(row: dict[str, Any]) -> str:
+    queue = "legacy celery" if row["legacy"] else row["queue"]
+    return f"{row['task']} (queue {queue}, id {row['id'] or 'auto'})"
+
+
+def _one_app(spec: dict[str, Any], db_url: str, tmp_path: Path, vhosts: tuple[str, str],
+             taps: tuple[firehose.Tap, firehose.Tap], *, restart: int) -> list[str]:
+    """Send one app's rows both ways; what differs."""
+    celery_vhost, drain_vhost = vhosts
+    celery_tap, drain_tap = taps
+    for tap in taps:
+        for name, kind in spec["external"].items():
+            tap.declare_exchange(name, kind)
+    staged = _stage(db_url, spec, restart)
+    _apply_async(spec, celery_vhost, staged)
+    theirs = _traced(celery_tap, set(staged), set(staged),
+                     f"apply_async's {len(staged)} publishes")
+
+    spec_file = tmp_path / f"{spec['name']}.json"
+    spec_file.write_text(json.dumps(spec))
+    env = support.drain_env(db_url, DRAIN_BROKER_URL=firehose.url(drain_vhost),
+                            DIFF_APP_SPEC=str(spec_file))
+    problems: list[str] = []
+    try:
+        run = support.run_cli(db_url, "run", "--app", "tests.differential_app",
+                              "--exit-when-empty", env=env, timeout=DRAIN_RUN_LIMIT)
+        if run.returncode != 0:
+            problems.append(f"{spec['name']}: drain run exited {run.returncode}: "
+                            f"{run.stderr[-2000:]}")
+    except subprocess.TimeoutExpired:
+        problems.append(f"{spec['name']}: drain run did not finish in {DRAIN_RUN_LIMIT}s")
+    with psycopg.connect(db_url) as conn:
+        left = conn.execute("SELECT task_id::text FROM staged_jobs").fetchall()
+        dead = conn.execute("SELECT task_id::text, reason, detail FROM dead_jobs").fetchall()
+        conn.execute("DELETE FROM staged_jobs")
+        conn.execute("DELETE FROM dead_jobs")
+    problems += [f"{_describe(staged[t])}: left staged" for (t,) in left]
+    problems += [f"{_describe(staged[t])}: dead-lettered {r}: {d}" for t, r, d in dead]
+    gone = {t for (t,) in left} | {t for t, _, _ in dead}
+    ours = _traced(drain_tap, set(staged), set(staged) - gone, "the drain's publishes")
+    for task_id, row in staged.items():
+        if task_id in ours:
+            problems += [f"{_describe(row)}: {d}" for d in differences(ours[task_id],
+                                                                        theirs[task_id])]
+    return [f"{spec['name']}: {p}" for p in problems]
+
+
+def test_drain_run_app_publishes_what_apply_async_publishes(db_url: str,
+                                                            tmp_path: Path) -> None:
+    seed = int(os.environ.get("DRAIN_DIFF_SEED") or random.randrange(2**32))
+    count = int(os.environ.get("DRAIN_DIFF_APPS") or 8)
+    specs = route_shapes.generate(seed, count)
+    problems: list[str] = []
+    with firehose.traced_vhost("diff_celery", catch_all=True) as celery_vhost, \
+            firehose.traced_vhost("diff_drain", catch_all=True) as drain_vhost, \
+            firehose.Tap(celery_vhost) as celery_tap, firehose.Tap(drain_vhost) as drain_tap:
+        restarts = random.Random(seed)
+        for spec in specs:
+            problems += _one_app(spec, db_url, tmp_path, (celery_vhost, drain_vhost),
+                                 (celery_tap, drain_tap),
+                                 restart=restarts.choice([1, restarts.randint(2, 10**12)]))
+        declared = firehose.entities(celery_vhost), firehose.entities(drain_vhost)
+    for kind in ("queues", "exchanges", "bindings"):
+        theirs, ours = set(declared[0][kind]), set(declared[1][kind])
+        problems += [f"declared by the drain only: {kind[:-1]} {e}" for e in sorted(ours - theirs)]
+        problems += [f"declared by apply_async only: {kind[:-1]} {e}"
+                     for e in sorted(theirs - ours)]
+    kinds = collections.Counter(route["kind"] for spec in specs for route in spec["routes"])
+    rows = sum(len(spec["rows"]) for spec in specs)
+    tasks = sum(len(spec["tasks"]) for spec in specs)
+    print(f"\nrouting differential, seed {seed}: {len(specs)} apps, {tasks} tasks, "
+          f"{dict(sorted(kinds.items()))} route items, {rows} messages compared, "
+          f"{len(declared[1]['queues'])} queues declared")
+    assert not problems, (f"seed {seed} (replay with DRAIN_DIFF_SEED={seed}), "
+                          f"{len(problems)} difference(s):\n" + "\n".join(problems[:60]))
