@@ -79,7 +79,9 @@ class Tap:
 
     def __init__(self, vhost: str) -> None:
         self.vhost = vhost
-        self.connection = pika.BlockingConnection(broker_parameters(url(vhost)))
+        parameters = broker_parameters(url(vhost))
+        parameters.heartbeat = 0  # idle while the test waits on a drain: never cut
+        self.connection = pika.BlockingConnection(parameters)
         self.channel = self.connection.channel()
 
     def __enter__(self) -> Tap:
