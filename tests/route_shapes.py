@@ -14,7 +14,8 @@ queue, routing key, exchange and priority; the ``task_default_queue`` /
 ``_exchange`` / ``_exchange_type`` / ``_routing_key`` settings. Rows are staged
 with and without a queue (explicit ``celery``, a queue of the app, a queue the
 app does not define, a row marked ``queue_legacy``), with negative ids and ids
-handed out again after an identity restart.
+handed out again after an identity restart; each app also gets a row of a task
+it does not register (``"unknown"``).
 
 App 0 is always :func:`bullets`: one of each shape issue 24 names.
 """
@@ -276,7 +277,13 @@ def app_spec(rng: random.Random, index: int) -> dict[str, Any]:
         routes.insert(rng.randint(0, len(routes)), {"kind": "map", "entries": mapping})
     return {"name": f"diff{index}", "settings": settings, "queues": draw.queues,
             "routes": routes, "tasks": tasks, "external": draw.external,
-            "rows": _rows(draw, tasks)}
+            "rows": [*_rows(draw, tasks), unknown(index)]}
+
+
+def unknown(index: int) -> dict[str, Any]:
+    """A row whose task the app does not register: dead-lettered 'unknown_task'."""
+    return {"task": f"nobody.registered{index}", "args": [], "kwargs": {}, "queue": None,
+            "legacy": False, "id": None, "unknown": True}
 
 
 def _rows(draw: _Draw, tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -334,6 +341,7 @@ def bullets(index: int = 0) -> dict[str, Any]:
             # Staged before the upgrade without a queue: routed by task_routes.
             {"task": "video.compress", "args": [4], "kwargs": {}, "queue": "celery",
              "legacy": True, "id": -6},
+            unknown(index),
         ],
     }
 

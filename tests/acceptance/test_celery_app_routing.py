@@ -1,9 +1,12 @@
-"""``drain run --app``: every job goes where, and as, the app's own apply_async sends it.
+"""``drain run --app``: a real ``celery worker`` of the app runs every job, each
+from the queue the app routes it to.
 
 The app is tests/routing_app.py (router function, glob, regex, topic
 exchange, quorum and priority queues, a task with its own queue, time limits,
 priority and ignore_result), with queue and exchange names of this test's own.
 The drain runs as ``drain run --app tests.routing_app``, as a user runs it.
+That each message is the one ``apply_async`` sends, field by field, is
+tests/acceptance/test_routing_differential.py's.
 """
 
 from __future__ import annotations
@@ -12,10 +15,9 @@ import json
 from typing import Any
 
 import psycopg
-from celery import Celery
 
 import drain
-from tests import messages, routing_app, support
+from tests import routing_app, support
 
 
 def cases(suffix: str) -> list[tuple[str, list[Any], dict[str, Any], dict[str, Any], str]]:
@@ -42,38 +44,6 @@ def _stage_all(db_url: str, suffix: str) -> dict[str, int]:
         for i, (task, args, kwargs, options, _) in enumerate(cases(suffix)):
             staged[str(drain.stage(conn, task, args, kwargs, queue=options.get("queue")))] = i
     return staged
-
-
-def test_each_job_as_apply_async_sends_it(db_url: str, suffix: str, app: Celery) -> None:
-    staged = _stage_all(db_url, suffix)
-    with psycopg.connect(db_url) as conn:
-        unknown = drain.stage(conn, "nobody.registered.this", [1])
-    run = support.run_cli(db_url, "run", "--app", "tests.routing_app", "--exit-when-empty",
-                          env=_env(db_url, suffix))
-    assert run.returncode == 0, run.stderr
-    queues = {expected for *_, expected in cases(suffix)}
-    ours = messages.collect(queues, len(staged))
-    by_case = {i: ours[task_id] for task_id, i in staged.items()}
-
-    for task_id, i in staged.items():
-        task, args, kwargs, options, _ = cases(suffix)[i]
-        app.tasks[task].apply_async(args, kwargs, task_id=task_id, **options)
-    theirs = messages.collect(queues, len(staged))
-
-    problems = []
-    for task_id, i in sorted(staged.items(), key=lambda item: item[1]):
-        task, _, kwargs, _, expected = cases(suffix)[i]
-        assert by_case[i][0] == expected, f"{task} {kwargs}: landed in {by_case[i][0]}"
-        problems += [f"{task} {kwargs}: {d}"
-                     for d in messages.differences(by_case[i], theirs[task_id])]
-    assert not problems, "\n".join(problems)
-
-    with psycopg.connect(db_url) as conn:
-        dead = conn.execute("SELECT task_id, reason, detail FROM dead_jobs").fetchall()
-        left = conn.execute("SELECT count(*) FROM staged_jobs").fetchone()
-    assert [(row[0], row[1]) for row in dead] == [(unknown, "unknown_task")]
-    assert "nobody.registered.this" in dead[0][2]
-    assert left == (0,)
 
 
 def test_a_celery_worker_of_the_app_runs_them(db_url: str, suffix: str, spawn: Any) -> None:
