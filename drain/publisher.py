@@ -202,6 +202,7 @@ class Publisher(RefusalProbingLink):
         if self._refusal is not None:
             self._recover()  # the new batch's tags count on the new channel
             self._raise_if_failed()
+            self.declare(queues)  # a queue it forgot (drain.refusal, "retry")
         undeclared = queues - self._declared
         if undeclared:
             raise BrokerUnavailable(f"queues not declared yet: {sorted(undeclared)}")
@@ -350,6 +351,12 @@ class Publisher(RefusalProbingLink):
         self._wake()
 
     # -- a publish the broker refused (drain.refusal) ------------------------------
+
+    @property
+    def refusal(self) -> str | None:
+        """The broker's reply when it closed the publishing channel on a refused
+        publish, until the next start or wait sorts the unconfirmed messages out."""
+        return self._refusal
 
     def _channel_refused(self, exc: BaseException) -> bool:
         conn = self._conn

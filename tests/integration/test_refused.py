@@ -259,3 +259,34 @@ def test_a_nacked_row_is_retried_with_backoff_not_in_a_loop(
     assert len(support.drain_queue(other_queue)) == 5
     # 1, 2, 4... s apart: a handful, whatever the machine's speed.
     assert nacks is not None and nacks <= 5, nacks
+
+
+def test_a_refusal_noticed_between_batches_is_sorted_out_before_the_next_one(
+    queue: str, exchange: str
+) -> None:
+    """The close comes while the drain is idle (pump); the next start finds the
+    refused message, declares the queue it forgot, and publishes its own batch on
+    the new channel."""
+    def spec(name: str) -> QueueSpec:
+        return QueueSpec(name, bindings=(BindingSpec(ExchangeSpec(exchange), name),))
+
+    pub = _publisher(specs=spec)
+    try:
+        assert pub.declare({queue}) == {}
+        with support.broker_channel() as ch:
+            ch.exchange_delete(exchange)
+        first = pub.start(iter([_message(1, queue, exchange), _message(2, queue)]),
+                          queues={queue}, count=2)
+        def closed() -> str | None:
+            pub.pump(0.05)
+            return pub.refusal
+
+        support.wait_for(closed, 30, "the close")
+        second = pub.start(iter([_message(3, queue, exchange), _message(4, queue)]),
+                           queues={queue}, count=2)
+        result_1, result_2 = pub.wait(first), pub.wait(second)
+    finally:
+        pub.close()
+    assert result_1.error is None and result_2.error is None
+    assert result_1.confirmed == [2] and _refused(result_1) == [(1, 404, "retry")]
+    assert sorted(result_2.confirmed) == [3, 4] and result_2.refused == []
