@@ -11,27 +11,33 @@
 --
 -- Roles and grants
 -- ----------------
--- Two NOLOGIN group roles are created when the migrating role may create roles
--- (otherwise a NOTICE says so and the grants are skipped):
+-- Four NOLOGIN group roles are created when the migrating role may create roles
+-- (otherwise a NOTICE says so; the grants are made when the roles exist), each
+-- with what its commands need and nothing more:
 --
---   drain_stager  INSERT only: what an application needs to stage jobs.
---                 It cannot read, change or delete staged rows.
---   drain_runner  SELECT and DELETE on staged_jobs, INSERT on dead_jobs: what
---                 `drain run` needs. It cannot stage (only applications do)
---                 nor update rows.
+--   drain_stager    an application staging jobs: INSERT on staged_jobs, SELECT on
+--                   its task_id column only (INSERT ... RETURNING task_id, and
+--                   drain_stage(), which returns it), EXECUTE on drain_stage().
+--                   It cannot read jobs' arguments, nor change or delete rows.
+--   drain_runner    `drain run`, its metrics and `drain status`: SELECT, DELETE on
+--                   staged_jobs; SELECT, INSERT on dead_jobs (rows set aside, and
+--                   counted); SELECT on drain_schema_state; the wake flag. It
+--                   cannot stage, update rows, or touch drain_processed.
+--   drain_operator  `drain stage`, `drain dead list|requeue|purge`, `drain
+--                   processed purge`: INSERT on staged_jobs; SELECT, DELETE on
+--                   dead_jobs and drain_processed.
+--   drain_consumer  drain.consumer in the workers: SELECT, INSERT on drain_processed.
 --
--- drain_stage(), dead_jobs and drain_processed are described where they are
--- created. Operators running `drain dead ...` need SELECT, INSERT and DELETE
--- on both tables; consumers using drain.consumer need SELECT, INSERT on
--- drain_processed, and DELETE to purge it (grant them to your roles as fits).
---
--- Give them to your login roles:
+-- Give them to your login roles (the README's "Database roles" has the recipe):
 --
 --   GRANT drain_stager TO my_app;
---   GRANT drain_runner TO my_drain;
+--   GRANT drain_runner, pg_read_all_stats TO my_drain;
 --
--- `drain status` also reads pg_locks and pg_stat_activity; grant the role
--- that runs it pg_read_all_stats to see other sessions' details.
+-- pg_read_all_stats lets the drain and `drain status` see other roles'
+-- sessions in pg_stat_activity (the oldest transaction, the lock holder).
+-- Grants are only ever added: a migrate never revokes what you granted, and
+-- every change it makes commits at once, so running drains never see a role
+-- without its rights.
 
 CREATE TABLE IF NOT EXISTS staged_jobs (
     id        bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -405,32 +411,42 @@ CREATE INDEX IF NOT EXISTS drain_backfill_attempts_run
     ON drain_backfill_attempts (run_token);
 
 DO $$
+DECLARE
+    role text;
 BEGIN
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'drain_stager') THEN
-        BEGIN
-            CREATE ROLE drain_stager NOLOGIN;
-        EXCEPTION WHEN insufficient_privilege THEN
-            RAISE NOTICE 'drain: cannot create role drain_stager (no CREATEROLE); grants skipped';
-        END;
-    END IF;
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'drain_runner') THEN
-        BEGIN
-            CREATE ROLE drain_runner NOLOGIN;
-        EXCEPTION WHEN insufficient_privilege THEN
-            RAISE NOTICE 'drain: cannot create role drain_runner (no CREATEROLE); grants skipped';
-        END;
-    END IF;
+    FOREACH role IN ARRAY ARRAY['drain_stager', 'drain_runner', 'drain_operator',
+                                'drain_consumer'] LOOP
+        IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = role) THEN
+            BEGIN
+                EXECUTE format('CREATE ROLE %I NOLOGIN', role);
+            EXCEPTION WHEN insufficient_privilege THEN
+                RAISE NOTICE 'drain: cannot create role % (no CREATEROLE); its grants are skipped',
+                    role;
+            END;
+        END IF;
+    END LOOP;
     IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'drain_stager') THEN
-        REVOKE ALL ON staged_jobs FROM drain_stager;
-        GRANT INSERT ON staged_jobs TO drain_stager;
+        GRANT INSERT, SELECT (task_id) ON staged_jobs TO drain_stager;
+        GRANT EXECUTE ON FUNCTION drain_stage(text, jsonb, jsonb, text, integer, text,
+                                              timestamptz, timestamptz, uuid) TO drain_stager;
     END IF;
     IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'drain_runner') THEN
-        REVOKE ALL ON staged_jobs, dead_jobs FROM drain_runner;
         GRANT SELECT, DELETE ON staged_jobs TO drain_runner;
-        -- The drain moves rows that can never be published into dead_jobs.
-        GRANT INSERT ON dead_jobs TO drain_runner;
+        -- The drain moves rows that can never be published into dead_jobs; its
+        -- metrics and `drain status` count them.
+        GRANT SELECT, INSERT ON dead_jobs TO drain_runner;
+        -- Drains of earlier versions read it (an upgrade runs both for a while).
+        GRANT SELECT ON drain_schema_state TO drain_runner;
         -- It raises and lowers the wake flag (drain/wakeup.py).
         GRANT UPDATE ON SEQUENCE drain_wake TO drain_runner;
+    END IF;
+    IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'drain_operator') THEN
+        -- `drain stage`, and `drain dead requeue`, which moves rows back.
+        GRANT INSERT ON staged_jobs TO drain_operator;
+        GRANT SELECT, DELETE ON dead_jobs, drain_processed TO drain_operator;
+    END IF;
+    IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'drain_consumer') THEN
+        GRANT SELECT, INSERT ON drain_processed TO drain_consumer;
     END IF;
 END
 $$;

@@ -7,13 +7,14 @@ import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 
-from drain import store
+from drain import runner, store
 from tests import broker_alarm as alarm
-from tests import support
+from tests import roles, support
 
 
 @contextlib.contextmanager
@@ -37,7 +38,34 @@ def template_db() -> Iterator[str]:
     with _database(name) as url:
         with psycopg.connect(url) as conn:
             store.migrate(conn)
+        roles.ensure(support.ADMIN_URL)  # the login roles that hold its group roles
         yield name
+
+
+@pytest.fixture(autouse=True)
+def _census_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The least-privilege census (tests/roles.py) counts in-process drains too."""
+    real = runner.Drain.__init__
+
+    def init(self: runner.Drain, settings: Any, **kwargs: Any) -> None:
+        roles.census_note(settings.database_url, "in-process drain")
+        real(self, settings, **kwargs)
+
+    monkeypatch.setattr(runner.Drain, "__init__", init)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The least-privilege census: how many tests ran a drain or a ``drain`` command
+    as the superuser (tests/roles.py); the list too with DRAIN_ROLE_CENSUS=1."""
+    ran, as_superuser, which = roles.census()
+    if not ran:
+        return
+    terminalreporter.write_line(
+        f"least-privilege census: {as_superuser} of {ran} tests that ran a drain or a "
+        "drain command ran one as the superuser")
+    if os.environ.get("DRAIN_ROLE_CENSUS"):
+        for test, what in sorted(which.items()):
+            terminalreporter.write_line(f"  {test}: {', '.join(what)}")
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ import psycopg
 import pytest
 from psycopg import conninfo
 
-from tests import support
+from tests import roles, support
 
 MODES = ("session", "transaction", "statement")
 #: Seconds a started PgBouncer has to answer.
@@ -128,7 +128,7 @@ class PgBouncer:
 
     def _write_config(self) -> None:
         host, port = self._upstream
-        users = {self._user, "postgres", "root", getpass.getuser()}
+        users = {self._user, "postgres", "root", getpass.getuser(), *roles.GRANTS}
         settings: dict[str, str | int] = {
             "listen_addr": "127.0.0.1",
             "listen_port": self.port,

@@ -33,9 +33,10 @@ import drain
 from drain import sql
 from drain.urls import broker_parameters
 from drain.wakeup import WAKE_CLASS
+from tests import roles
 
 ROOT = Path(__file__).resolve().parent.parent
-ADMIN_URL = os.environ.get("DRAIN_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+ADMIN_URL = roles.ADMIN_URL
 BROKER_URL = os.environ.get("DRAIN_TEST_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
 
@@ -245,6 +246,8 @@ class Process:
         self.stop_signal = stop_signal
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        if argv[1:3] == ["-m", "drain"]:
+            roles.census_note(env.get("DRAIN_DATABASE_URL"), f"drain {roles.command_of(argv[3:])}")
         self.proc = subprocess.Popen(
             argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
             start_new_session=True,
@@ -300,10 +303,13 @@ def http_get(port: int, path: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
-def drain_env(db_url: str, **extra: str) -> dict[str, str]:
+def drain_env(db_url: str, role: str = roles.RUNNER, **extra: str) -> dict[str, str]:
+    """The environment of a ``drain`` process on ``db_url``, as ``role`` (tests/roles.py:
+    the drain's least-privileged role by default; roles.ADMIN for the superuser). The
+    test's Celery app (celery_app, CELERY_APP_DATABASE_URL) writes as the superuser."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DRAIN_", "PG"))}
     env.update(
-        DRAIN_DATABASE_URL=db_url,
+        DRAIN_DATABASE_URL=roles.url(db_url, role),
         DRAIN_BROKER_URL=BROKER_URL,
         CELERY_APP_DATABASE_URL=db_url,
         PYTHONUNBUFFERED="1",
@@ -321,9 +327,18 @@ def drain_argv(*args: str) -> list[str]:
 def run_cli(
     db_url: str, *args: str, env: dict[str, str] | None = None, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``drain ARGS`` to completion and capture its output."""
+    """Run ``drain ARGS`` to completion and capture its output, as the role that runs
+    that command (tests/roles.py): also when ``env`` is a :func:`drain_env` of
+    ``db_url`` with its default role (give ``drain_env(db_url, roles.ADMIN)`` for
+    the superuser)."""
+    env = dict(env or drain_env(db_url))
+    if env.get("DRAIN_DATABASE_URL") == roles.url(db_url, roles.RUNNER):
+        env["DRAIN_DATABASE_URL"] = roles.for_command(db_url, *args)
+    given = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--database-url"]
+    roles.census_note(given[-1] if given else env.get("DRAIN_DATABASE_URL"),
+                      f"drain {roles.command_of(args)}")
     return subprocess.run(
-        drain_argv(*args), env=env or drain_env(db_url), capture_output=True, text=True,
+        drain_argv(*args), env=env, capture_output=True, text=True,
         timeout=timeout, cwd=ROOT, check=False, stdin=subprocess.DEVNULL,
     )
 

@@ -10,7 +10,7 @@ import pytest
 
 from drain.config import Settings
 from drain.runner import Drain, State
-from tests import support
+from tests import roles, support
 
 
 class Running:
@@ -30,12 +30,13 @@ class Running:
 @pytest.fixture
 def start_drain() -> Iterator[Callable[..., Running]]:
     """Start a drain on a database with Settings overrides (short polls and backoff);
-    ``on_fetch`` and ``on_cycle`` are passed to the Drain itself."""
+    ``on_fetch`` and ``on_cycle`` are passed to the Drain itself. It runs as the
+    drain's least-privileged role (tests/roles.py), or as ``role=``."""
     running: list[Running] = []
 
-    def _start(db_url: str, **overrides: Any) -> Running:
+    def _start(db_url: str, role: str = roles.RUNNER, **overrides: Any) -> Running:
         hooks = {k: overrides.pop(k) for k in ("on_fetch", "on_cycle") if k in overrides}
-        settings = Settings(database_url=db_url, broker_url=support.BROKER_URL,
+        settings = Settings(database_url=roles.url(db_url, role), broker_url=support.BROKER_URL,
                             **{"poll_interval": 0.2, "max_backoff": 0.5, **overrides})
         r = Running(settings, **hooks)
         running.append(r)

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import subprocess
 import sys
 import uuid
@@ -35,7 +36,7 @@ from drain.config import Settings
 from drain.errors import SchemaMissing
 from drain.message import StagedRow
 from drain.store import fetch_params, migrate
-from tests import support
+from tests import roles, support
 
 CHANNEL = "drain_staged_jobs"
 VALID_INSERT = (
@@ -80,13 +81,22 @@ CATALOG_QUERIES = {
                acl.is_grantable
         FROM pg_class c, aclexplode(c.relacl) acl
         LEFT JOIN pg_roles r ON r.oid = acl.grantee
-        WHERE c.oid IN ('staged_jobs'::regclass, 'dead_jobs'::regclass, 'drain_processed'::regclass)
+        WHERE c.oid IN ('staged_jobs'::regclass, 'dead_jobs'::regclass, 'drain_processed'::regclass,
+                        'drain_schema_state'::regclass, 'drain_wake'::regclass)
         ORDER BY 1, 2, 3
+    """,
+    "column_grants": """
+        SELECT a.attrelid::regclass::text, a.attname::text, r.rolname, acl.privilege_type
+        FROM pg_attribute a, aclexplode(a.attacl) acl
+        JOIN pg_roles r ON r.oid = acl.grantee
+        WHERE a.attrelid = 'staged_jobs'::regclass
+        ORDER BY 1, 2, 3, 4
     """,
     "comment": "SELECT obj_description('staged_jobs'::regclass, 'pg_class')",
     "roles": """
         SELECT rolname, rolcanlogin FROM pg_roles
-        WHERE rolname IN ('drain_stager', 'drain_runner') ORDER BY rolname
+        WHERE rolname IN ('drain_stager', 'drain_runner', 'drain_operator', 'drain_consumer')
+        ORDER BY rolname
     """,
 }
 
@@ -126,9 +136,22 @@ def test_catalog_snapshot_is_the_schema(db_url: str) -> None:
         ("staged_jobs", "drain_stager", "INSERT"),
         ("staged_jobs", "drain_runner", "SELECT"),
         ("staged_jobs", "drain_runner", "DELETE"),
+        ("dead_jobs", "drain_runner", "SELECT"),
         ("dead_jobs", "drain_runner", "INSERT"),
+        ("drain_schema_state", "drain_runner", "SELECT"),
+        ("drain_wake", "drain_runner", "UPDATE"),
+        ("staged_jobs", "drain_operator", "INSERT"),
+        ("dead_jobs", "drain_operator", "SELECT"),
+        ("dead_jobs", "drain_operator", "DELETE"),
+        ("drain_processed", "drain_operator", "SELECT"),
+        ("drain_processed", "drain_operator", "DELETE"),
+        ("drain_processed", "drain_consumer", "SELECT"),
+        ("drain_processed", "drain_consumer", "INSERT"),
     }
-    assert snap["roles"] == [("drain_runner", False), ("drain_stager", False)]
+    # RETURNING task_id (and drain_stage(), which returns it): that column only.
+    assert snap["column_grants"] == [("staged_jobs", "task_id", "drain_stager", "SELECT")]
+    assert snap["roles"] == [("drain_consumer", False), ("drain_operator", False),
+                             ("drain_runner", False), ("drain_stager", False)]
     assert [c[0] for c in snap["columns"]] == [
         "id", "task_id", "task_name", "args", "kwargs", "queue", "queue_legacy", "staged_at",
         "priority",
@@ -302,78 +325,86 @@ def test_no_notification_for_a_rollback(db_url: str, listener: psycopg.Connectio
 # -- grants -------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def login_roles(db_url: str) -> Iterator[tuple[str, str]]:
-    """(app_role, drain_role): throwaway LOGIN roles holding drain_stager / drain_runner."""
-    app_role, drain_role = support.unique("drain_app"), support.unique("drain_run")
-    with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
-        admin.execute(f'CREATE ROLE "{app_role}" LOGIN')
-        admin.execute(f'CREATE ROLE "{drain_role}" LOGIN')
-        admin.execute(f'GRANT drain_stager TO "{app_role}"')
-        admin.execute(f'GRANT drain_runner TO "{drain_role}"')
-    try:
-        yield app_role, drain_role
-    finally:
-        with psycopg.connect(db_url, autocommit=True) as conn:
-            conn.execute(f'DROP OWNED BY "{app_role}", "{drain_role}"')
-        with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
-            for role in (app_role, drain_role):
-                admin.execute(f'DROP ROLE IF EXISTS "{role}"')
-
-
 def assert_refused(conn: psycopg.Connection[Any], statement: str) -> None:
     with pytest.raises(psycopg.errors.InsufficientPrivilege):
         conn.execute(statement)
 
 
-def test_grants(db_url: str, login_roles: tuple[str, str]) -> None:
-    app_role, drain_role = login_roles
+def test_grants(db_url: str) -> None:
+    """Each role of tests/roles.py (the README's recipe) can do what its commands
+    need, and nothing else."""
+    urls = roles.of(db_url)
     with psycopg.connect(db_url, autocommit=True) as owner:
-        # An application table: the drain's role must not be able to touch it.
+        # An application table: the drain's roles must not be able to touch it.
         owner.execute("CREATE TABLE annotation (id int PRIMARY KEY, text text)")
         owner.execute("INSERT INTO annotation VALUES (1, 'secret')")
 
-    with psycopg.connect(db_url, user=app_role, autocommit=True) as app:
-        assert app.info.user == app_role
+    with psycopg.connect(urls.stager, autocommit=True) as app:
+        assert app.info.user == roles.STAGER
         app.execute(VALID_INSERT)
         staged = drain.stage(app, "t.app", [1])
         drain.stage_many(app, [drain.Job("t.app_many", [2]), drain.Job("t.app_many", [3])])
-        assert_refused(app, "SELECT count(*) FROM staged_jobs")
+        # Every documented way to stage from SQL, the task id returned.
+        returned = app.execute(VALID_INSERT + " RETURNING task_id").fetchone()
+        assert returned is not None and isinstance(returned[0], uuid.UUID)
+        by_function = app.execute("SELECT drain_stage('t.fn', kwargs => '{\"a\": 1}')").fetchone()
+        assert by_function is not None and isinstance(by_function[0], uuid.UUID)
+        assert_refused(app, "SELECT args FROM staged_jobs")
+        assert_refused(app, "SELECT * FROM staged_jobs")
         assert_refused(app, "DELETE FROM staged_jobs")
         assert_refused(app, "UPDATE staged_jobs SET queue = 'other'")
+        assert_refused(app, "SELECT * FROM dead_jobs")
+        assert_refused(app, "SELECT * FROM drain_processed")
         assert_refused(app, sql.query("raise_flag"))  # only the drain sets the wake flag
         with support.wake_flag_raised(db_url):
             drain.stage(app, "t.app_while_idle", [4])  # it reads it, and notifies
-    assert support.staged_count(db_url) == 5
+    assert support.staged_count(db_url) == 7
 
-    with psycopg.connect(db_url, user=drain_role, autocommit=True) as runner:
-        assert runner.info.user == drain_role
+    with psycopg.connect(urls.runner, autocommit=True) as runner:
+        assert runner.info.user == roles.RUNNER
         assert_refused(runner, VALID_INSERT)
         assert_refused(runner, "UPDATE staged_jobs SET queue = 'other'")
         # The drain's own queries are enough with drain_runner alone.
         params = store.fetch_params(10)
         rows = runner.execute(sql.query("fetch_batch"), params).fetchall()
-        assert len(rows) == 5
+        assert len(rows) == 7
         [app_row] = [r for r in rows if r[1] == staged]
+        other = next(r for r in rows if r[1] != staged)
         cur = runner.execute(sql.query("delete_confirmed"), {"ids": [app_row[0]]})
         assert cur.rowcount == 1
-        assert runner.execute("SELECT count(*) FROM staged_jobs").fetchone() == (4,)
-        assert runner.execute("DELETE FROM staged_jobs").rowcount == 4
+        assert runner.execute("SELECT count(*) FROM staged_jobs").fetchone() == (6,)
+        cur = runner.execute(sql.query("bury"), {
+            "ids": [other[0]], "reasons": ["invalid"], "details": ["x"]})
+        assert cur.rowcount == 1
+        assert runner.execute("DELETE FROM staged_jobs").rowcount == 5
         # The wake-up handshake (drain.wakeup).
         for name in ("raise_flag", "silent_writers", "wake_flag", "lower_flag"):
             runner.execute(sql.query(name))
-        # It can set rows aside in dead_jobs, but nothing else of the application's.
-        runner.execute(
-            "INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, priority, "
-            "staged_at, reason) VALUES (1, gen_random_uuid(), 't', '[]', '{}', 'q', 0, now(), "
-            "'invalid')"
-        )
-        assert_refused(runner, "SELECT * FROM dead_jobs")
+        # `drain status` and the metrics read dead_jobs, but cannot change it.
+        assert runner.execute(sql.query("dead_by_reason")).fetchall() == [("invalid", 1)]
+        assert_refused(runner, "DELETE FROM dead_jobs")
+        assert_refused(runner, "SELECT * FROM drain_processed")
         assert_refused(runner, "SELECT * FROM annotation")
         assert_refused(runner, "DELETE FROM annotation")
         assert_refused(runner, "UPDATE annotation SET text = 'x'")
         assert_refused(runner, "INSERT INTO annotation VALUES (2, 'x')")
     assert support.staged_count(db_url) == 0
+
+    with psycopg.connect(urls.operator, autocommit=True) as operator:
+        assert dead.count(operator, dead.Filters()) == 1
+        assert dead.requeue(operator, dead.Filters()) == 1
+        drain.stage(operator, "t.by_hand", [5])
+        assert_refused(operator, "SELECT * FROM staged_jobs")
+        assert_refused(operator, "DELETE FROM staged_jobs")
+        assert_refused(operator, "SELECT * FROM annotation")
+    with psycopg.connect(urls.consumer, autocommit=True) as consumer:
+        consumer.execute("INSERT INTO drain_processed (task_id) VALUES (gen_random_uuid()) "
+                         "ON CONFLICT (task_id) DO NOTHING RETURNING task_id")
+        assert_refused(consumer, "DELETE FROM drain_processed")
+        assert_refused(consumer, "SELECT * FROM staged_jobs")
+    with psycopg.connect(urls.operator, autocommit=True) as operator:
+        operator.execute("DELETE FROM drain_processed")
+    assert support.staged_count(db_url) == 2
 
 
 # -- packaging --------------------------------------------------------------------------
@@ -569,6 +600,7 @@ def test_an_expired_job_keeps_its_embed_in_dead_jobs_and_gets_it_back_on_requeue
         drainer.close()
     with psycopg.connect(db_url) as conn:
         assert conn.execute("SELECT embed FROM dead_jobs").fetchone() == (_EMBED,)
-        assert dead.requeue(conn, dead.Filters(reason="expired")) == 1
+        # It expired before it was staged: it needs a fresh expiry to be requeued.
+        assert dead.requeue(conn, dead.Filters(reason="expired"), dt.timedelta(hours=1)) == 1
         assert conn.execute("SELECT task_name, embed FROM staged_jobs").fetchall() == [
             ("t.expired", _EMBED)]

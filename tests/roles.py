@@ -1,0 +1,172 @@
+"""Least-privileged login roles for the tests: the README's "Database roles".
+
+``drain migrate`` creates four group roles and grants them, in each database,
+what their commands need (staging_schema.sql). Postgres roles belong to the
+whole cluster, so the login roles here are created once (:func:`ensure`, which
+the ``template_db`` fixture calls) and serve every per-test database, each
+holding one group role as the README shows:
+
+=====================  ==========================================  =======================
+login role             granted                                      runs
+=====================  ==========================================  =======================
+drain_test_stager      drain_stager                                 an application staging
+drain_test_runner      drain_runner, pg_read_all_stats              ``drain run``, ``status``
+drain_test_operator    drain_operator                               ``drain stage``, ``dead``,
+                                                                    ``processed purge``
+drain_test_consumer    drain_consumer                               drain.consumer
+=====================  ==========================================  =======================
+
+How to use them (``db_url`` is a test database's URL, the superuser's):
+
+* ``roles.url(db_url, roles.RUNNER)``: the same database as that role (any
+  URL whose user is the test superuser; other URLs are returned unchanged).
+  ``roles.of(db_url)`` has all four (``.stager``, ``.runner``, ...).
+* ``roles.for_command(db_url, "dead")``: as the role that runs that ``drain``
+  command (``migrate``, ``backfill`` and ``reconcile``: the owner, i.e. the
+  superuser that owns the test tables).
+* ``support.drain_env(db_url)`` sets ``DRAIN_DATABASE_URL`` to the runner's
+  URL; ``support.run_cli`` runs each command as its role; the in-process
+  drains of tests/integration/conftest.py (``start_drain``) run as the runner.
+  Pass ``role=roles.ADMIN`` to any of them where a test needs the superuser.
+* In a test, connect as an application with
+  ``psycopg.connect(roles.url(db_url, roles.STAGER))``.
+
+:func:`census_note` records each drain or ``drain`` command a test starts as
+the superuser; tests/conftest.py reports how many tests did at the end of the
+run (the least-privilege census).
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from typing import NamedTuple
+
+import psycopg
+import psycopg.errors
+from psycopg import conninfo
+
+ADMIN = "admin"
+STAGER = "drain_test_stager"
+RUNNER = "drain_test_runner"
+OPERATOR = "drain_test_operator"
+CONSUMER = "drain_test_consumer"
+
+#: Each login role and what it is granted (the README's recipe).
+GRANTS = {
+    STAGER: "drain_stager",
+    RUNNER: "drain_runner, pg_read_all_stats",
+    OPERATOR: "drain_operator",
+    CONSUMER: "drain_consumer",
+}
+
+#: Which role runs each ``drain`` command (README, "Database roles").
+COMMAND_ROLES = {
+    "run": RUNNER, "status": RUNNER,
+    "stage": OPERATOR, "dead": OPERATOR, "processed": OPERATOR,
+    "migrate": ADMIN, "backfill": ADMIN, "reconcile": ADMIN,
+}
+
+
+class Urls(NamedTuple):
+    admin: str
+    stager: str
+    runner: str
+    operator: str
+    consumer: str
+
+
+#: The test superuser's URL (tests.support re-exports it): it owns the test tables.
+ADMIN_URL = os.environ.get("DRAIN_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+def _admin_user() -> str:
+    return str(conninfo.conninfo_to_dict(ADMIN_URL).get("user") or "postgres")
+
+
+def ensure(admin_url: str) -> None:
+    """Create the login roles and grant them their group roles, unless done already
+    (concurrent test runs may race here: an advisory lock orders them). The group
+    roles must exist: ``drain migrate`` by a superuser creates them."""
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute("SELECT pg_advisory_lock(hashtext('drain test roles'))")
+        try:
+            for role, granted in GRANTS.items():
+                exists = admin.execute(
+                    "SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone()
+                if not exists:
+                    admin.execute(f'CREATE ROLE "{role}" LOGIN')
+                admin.execute(f'GRANT {granted} TO "{role}"')
+        finally:
+            admin.execute("SELECT pg_advisory_unlock(hashtext('drain test roles'))")
+
+
+def url(db_url: str, role: str) -> str:
+    """``db_url`` as ``role`` (:data:`ADMIN`: unchanged). Only a URL whose user is
+    the test superuser, without a password, is changed: a test that chose its
+    own user keeps it."""
+    if role == ADMIN:
+        return db_url
+    admin = _admin_user()
+    try:
+        if db_url.startswith(("postgresql://", "postgres://")):
+            parts = urllib.parse.urlsplit(db_url)
+            if parts.password is not None or (parts.username or admin) != admin:
+                return db_url
+            host = parts.netloc.rpartition("@")[2]
+            return urllib.parse.urlunsplit(parts._replace(netloc=f"{role}@{host}"))
+        params = conninfo.conninfo_to_dict(db_url)
+    except (ValueError, psycopg.ProgrammingError):
+        return db_url  # a malformed URL (a test of the URL checks) stays as it is
+    if params.get("password") or params.get("user", admin) != admin:
+        return db_url
+    return conninfo.make_conninfo(db_url, user=role)
+
+
+def of(db_url: str) -> Urls:
+    return Urls(db_url, *(url(db_url, role) for role in (STAGER, RUNNER, OPERATOR, CONSUMER)))
+
+
+def command_of(args: tuple[str, ...] | list[str]) -> str:
+    """The ``drain`` subcommand in ``args`` (its first word that is not a flag)."""
+    return next((a for a in args if not a.startswith("-")), "")
+
+
+def for_command(db_url: str, *args: str) -> str:
+    """``db_url`` as the role that runs ``drain ARGS`` (the runner when unsure)."""
+    return url(db_url, COMMAND_ROLES.get(command_of(args), RUNNER))
+
+
+def user_of(db_url: str) -> str:
+    """The user a URL logs in as (the test superuser when it names none)."""
+    try:
+        return str(conninfo.conninfo_to_dict(db_url).get("user") or _admin_user())
+    except psycopg.ProgrammingError:
+        return ""
+
+
+# -- the census --------------------------------------------------------------------------
+
+#: {test node id: {(what it ran, as the superuser?)}}, filled while tests run:
+#: every drain (in-process or ``drain run``) and ``drain`` command a test starts.
+RUNS: dict[str, set[tuple[str, bool]]] = {}
+
+
+def census_note(db_url: str | None, what: str) -> None:
+    """Record that the current test runs ``what`` (``drain run``, ``drain dead``,
+    an in-process drain...) on ``db_url``, and whether as the superuser. The
+    owner's commands (``drain migrate``...) are left out: the superuser owns the
+    test tables."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    if COMMAND_ROLES.get(what.removeprefix("drain ")) == ADMIN:
+        return
+    if test and db_url:
+        RUNS.setdefault(test, set()).add((what, user_of(db_url) == _admin_user()))
+
+
+def census() -> tuple[int, int, dict[str, list[str]]]:
+    """(tests that ran a drain or a command, those that ran one as the superuser,
+    {such a test: what it ran as the superuser})."""
+    su = {test: sorted(what for what, admin in runs if admin)
+          for test, runs in RUNS.items() if any(admin for _, admin in runs)}
+    return len(RUNS), len(su), su
