@@ -22,6 +22,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import psycopg
+
 from drain import __version__, cli_dead, cli_status, config, options, session, sql, store, urls
 from drain.cli_common import (
     ENV_NOTE,
@@ -33,6 +35,7 @@ from drain.cli_common import (
     check_urls,
     configure_logging,
     env,
+    require_database,
     secrets_in,
     settings_of,
     switch,
@@ -237,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="drain",
         description="Stage Celery jobs in your Postgres transaction; drain them to RabbitMQ.",
         epilog="Exit codes: 0 ok, 1 unexpected error, 2 bad usage or input, "
-        "3 database or broker unavailable, 4 schema missing (run `drain migrate`).",
+        "3 database or broker unavailable, 4 schema missing (run `drain migrate`), "
+        "5 permission denied (the database role lacks a grant).",
     )
     parser.add_argument("--version", action="version", version=f"drain {__version__}")
     parser.add_argument(
@@ -294,7 +298,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     settings = settings_of(args)
     with session.connect_plain(settings) as conn:
         store.migrate(conn)
-    log.info("schema applied to %s", urls.mask_database_url(settings.database_url))
+        log.info("schema applied to %s", session.connected_to(conn))
     return Exit.OK
 
 
@@ -304,6 +308,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     settings = settings_of(args)
     drain = Drain(settings, exit_when_empty=args.exit_when_empty)
     drain.install_signal_handlers()
+    fatal: list[DrainError] = []  # what stopped the metrics sampler for good
+
+    def sampler_failed(exc: DrainError) -> None:
+        fatal.append(exc)
+        drain.stop()
+
     with contextlib.ExitStack() as stack:
         port = args.metrics_port
         if port == DEFAULT_METRICS_PORT and not env("DRAIN_METRICS_PORT"):
@@ -313,13 +323,15 @@ def cmd_run(args: argparse.Namespace) -> int:
             from drain.web import Server  # noqa: PLC0415
 
             sampler = Sampler(settings, drain.metrics, args.metrics_interval,
-                              lambda: drain.published)
+                              lambda: drain.published, on_fatal=sampler_failed)
             server = Server(drain, sampler, args.metrics_host, port)
             sampler.start()
             stack.callback(sampler.stop)
             server.start()
             stack.callback(server.stop)
         drain.run()
+    if fatal:  # a grant the sampler lacks: exit code 5
+        raise fatal[0]
     return Exit.OK
 
 
@@ -344,6 +356,11 @@ def _json_arg(flag: str, text: str) -> Any:
         raise StagingError(f"{flag} is not valid JSON: {exc}") from None
 
 
+#: What a command's role needs, said when the database refuses it something.
+_NEEDS = {"run": session.RUNNER_GRANT, "status": session.RUNNER_GRANT,
+          "migrate": "run `drain migrate` as the role that owns the tables"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -353,10 +370,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         check_urls(args)
+        if not getattr(args, "print", False):  # `drain migrate --print` connects to none
+            require_database(args)
         return func(args)
     except KeyboardInterrupt:
         return Exit.OK
     except Exception as exc:
+        if isinstance(exc, psycopg.Error):  # the one-shot commands' own queries
+            shown = urls.mask_database_url(getattr(args, "database_url", ""))
+            needs = _NEEDS.get(args.command, session.OPERATOR_GRANT)
+            exc = session.refusal(exc, shown, needs) or exc
         code = next((c for t, c in EXIT_CODES if isinstance(exc, t)), Exit.ERROR)
         if args.verbose:
             log.exception("drain %s failed", args.command)

@@ -27,6 +27,7 @@ from drain.errors import (
     ConfigError,
     DatabaseUnavailable,
     DrainError,
+    PermissionDenied,
     SchemaMissing,
     StagingError,
 )
@@ -42,11 +43,13 @@ class Exit(enum.IntEnum):
     USAGE = 2  #: bad flags, settings or input
     UNAVAILABLE = 3  #: Postgres or RabbitMQ cannot be reached or refused us
     SCHEMA = 4  #: staged_jobs is missing: run `drain migrate`
+    PRIVILEGE = 5  #: the database role lacks a grant (README, "Database roles")
 
 
 #: Which exit code an error that ends a command gets: the first that fits.
 EXIT_CODES: Sequence[tuple[type[BaseException], Exit]] = (
     (SchemaMissing, Exit.SCHEMA),
+    (PermissionDenied, Exit.PRIVILEGE),
     (DatabaseUnavailable, Exit.UNAVAILABLE),
     (BrokerUnavailable, Exit.UNAVAILABLE),
     (ConfigError, Exit.USAGE),
@@ -74,9 +77,25 @@ def add_database(parser: argparse.ArgumentParser) -> None:
         "--database-url",
         default=env("DRAIN_DATABASE_URL", ""),
         metavar="URL",
-        help="Postgres URL or libpq string (env DRAIN_DATABASE_URL; when empty, libpq's "
-        "PGHOST, PGDATABASE, PGUSER... apply)",
+        help="Postgres URL or libpq string (env DRAIN_DATABASE_URL; required, unless "
+        "libpq's PGHOST, PGDATABASE or PGSERVICE name the database: then those and "
+        "PGUSER, PGPORT... apply)",
     )
+
+
+#: libpq variables that say which database to use: one of them, or a URL, is required.
+LIBPQ_TARGETS = ("PGHOST", "PGHOSTADDR", "PGDATABASE", "PGSERVICE")
+
+
+def require_database(args: argparse.Namespace) -> None:
+    """Refuse to guess the database: no URL and no libpq variable naming one would
+    fall back to libpq's compiled-in default (the local socket, a database named
+    after the OS user), and a command obeyed there (`drain migrate`) would change
+    the wrong database."""
+    if getattr(args, "database_url", None) == "" and not any(env(v) for v in LIBPQ_TARGETS):
+        raise UsageError(
+            "no database given: set DRAIN_DATABASE_URL or --database-url (or libpq's "
+            "PGHOST / PGDATABASE / PGSERVICE)")
 
 
 def add_lock_key(parser: argparse.ArgumentParser) -> None:

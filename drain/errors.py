@@ -32,6 +32,11 @@ class DatabaseRefused(DatabaseUnavailable):
     """Postgres answered but refused us: bad password, unknown role or database."""
 
 
+class PermissionDenied(DrainError):
+    """Postgres refused a command for lack of privilege (SQLSTATE 42501): the role
+    the command runs as lacks a grant. No retry can fix that: fatal, exit code 5."""
+
+
 class SchemaMissing(DrainError):
     """The database has no ``staged_jobs`` table: run ``drain migrate`` first."""
 

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from drain import status as drain_status
 from drain.config import Settings
-from drain.errors import ConfigError, DrainError
+from drain.errors import ConfigError, DrainError, PermissionDenied
 
 log = logging.getLogger(__name__)
 
@@ -179,11 +179,14 @@ class Sampler:
     """Reads :func:`drain.status.read` every ``interval`` seconds in a thread.
 
     Keeps the last result and a short history (backlog, published counter) for
-    the status page. A failure is logged once, and the next sample retries.
+    the status page. A failure is logged once, and the next sample retries;
+    but a permission the role lacks (PermissionDenied) is kept in :attr:`fatal`
+    and ``on_fatal`` is called: no retry would fix it (``drain run`` exits 5).
     """
 
     def __init__(self, settings: Settings, metrics: Metrics, interval: float,
-                 published: Callable[[], int]) -> None:
+                 published: Callable[[], int],
+                 on_fatal: Callable[[DrainError], None] | None = None) -> None:
         if not (math.isfinite(interval) and interval > 0):
             raise ConfigError(f"metrics interval must be positive, got {interval}")
         self._metrics = metrics
@@ -194,6 +197,9 @@ class Sampler:
         self._lock = threading.Lock()
         self._reader = drain_status.StatusReader(settings, application_name="drain metrics")
         self._error: str | None = None
+        self._on_fatal = on_fatal
+        #: The error that stopped the sampling for good (a missing grant).
+        self.fatal: DrainError | None = None
         self.last: dict[str, Any] | None = None
         self.sampled_at: float | None = None
         self.history: collections.deque[dict[str, float]] = collections.deque(
@@ -215,6 +221,9 @@ class Sampler:
         """Take one sample now (the thread calls this every interval)."""
         try:
             status = self._reader.read()
+        except PermissionDenied as exc:
+            self._give_up(exc)
+            return
         except DrainError as exc:
             if str(exc) != self._error:
                 log.warning("metrics sample failed: %s; retrying every %gs", exc, self._interval)
@@ -230,6 +239,13 @@ class Sampler:
             self.sampled_at = now
             self.history.append(
                 {"t": now, "backlog": status["backlog"], "published": self._published()})
+
+    def _give_up(self, exc: PermissionDenied) -> None:
+        log.error("metrics sample failed: %s; no retry can fix it", exc)
+        self.fatal = exc
+        self._stop.set()
+        if self._on_fatal is not None:
+            self._on_fatal(exc)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -42,11 +42,14 @@ from drain.errors import (
     BatchConflict,
     BrokerRefused,
     BrokerUnavailable,
+    ConfigError,
     DatabaseRefused,
     DatabaseUnavailable,
     DrainError,
     LaneConflict,
+    PermissionDenied,
     ReadOnlyStandby,
+    SchemaMissing,
 )
 from drain.metrics import Metrics
 from drain.pipeline import Pipeline
@@ -59,6 +62,12 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two looks at a broker that blocks publishing (Drain._blocked).
 BLOCKED_LOOK = 0.25
+#: Errors that end ``drain run``: no retry can fix them (a missing grant, a bad
+#: setting, a schema `drain migrate` must bring up to date, a refused first login:
+#: see Drain._retry). Any other DrainError in the loop costs the session, not the drain.
+FATAL = (PermissionDenied, ConfigError, SchemaMissing, DatabaseRefused, BrokerRefused)
+
+
 class State(enum.Enum):
     STARTING = "starting"
     DB_DOWN = "database down"
@@ -190,13 +199,12 @@ class Drain:
                 if not self._store.connected:
                     self._connect_database()
                     continue
-                if not self._store.holds_lock:
-                    self._try_lead()
-                    continue
-                if not self._publisher.connected:
-                    self._connect_broker()
-                    continue
-                self._step()
+                try:
+                    self._turn()
+                except FATAL:
+                    raise
+                except DrainError as exc:
+                    self._unexpected(exc)
         finally:
             self._watchdog.stop()
             self.metrics.up.set(0)
@@ -209,6 +217,15 @@ class Drain:
             os.close(self._wake_w)
 
     # -- states ---------------------------------------------------------------------
+
+    def _turn(self) -> None:
+        """One turn of the loop on a connected session."""
+        if not self._store.holds_lock:
+            self._try_lead()
+        elif not self._publisher.connected:
+            self._connect_broker()
+        else:
+            self._step()
 
     def _connect_database(self) -> None:
         def attempt() -> None:
@@ -232,12 +249,7 @@ class Drain:
             self._database_lost(exc)
             return
         except (LaneConflict, ReadOnlyStandby) as exc:
-            if str(exc) != self._lane_conflict:  # said once, not per attempt
-                self._lane_conflict = str(exc)
-                log.warning("standby: %s; waiting %s", exc, "until they stop"
-                            if isinstance(exc, LaneConflict) else "for it to be promoted")
-            self.state = State.STANDBY
-            self._sleep(self.settings.standby_interval)
+            self._standing_by(exc)
             return
         self._recovered("database")
         what = (f"lane {self.settings.lane} of {self.settings.lanes}"
@@ -245,6 +257,14 @@ class Drain:
         self._set_state(State.STANDBY,
                         "standby: another drain holds %s (key %d); waiting to take over",
                         what, self.settings.lock_key)
+        self._sleep(self.settings.standby_interval)
+
+    def _standing_by(self, exc: LaneConflict | ReadOnlyStandby) -> None:
+        if str(exc) != self._lane_conflict:  # said once, not per attempt
+                self._lane_conflict = str(exc)
+                log.warning("standby: %s; waiting %s", exc, "until they stop"
+                            if isinstance(exc, LaneConflict) else "for it to be promoted")
+        self.state = State.STANDBY
         self._sleep(self.settings.standby_interval)
 
     def _connect_broker(self) -> None:
@@ -316,7 +336,7 @@ class Drain:
             return
         try:
             self.pipeline.cycle(stopping=True)
-        except (DatabaseUnavailable, BrokerUnavailable) as exc:
+        except DrainError as exc:
             log.warning("could not settle the last batches (%s); their rows stay staged",
                         self._clean(exc))
         self.pipeline.forget()
@@ -348,6 +368,12 @@ class Drain:
         self.state = State.DB_DOWN
         suffix = "; lock released, batch rolled back" if was_active else ""
         self._failed("database", self._clean(exc) + suffix, in_cycle=True)
+
+    def _unexpected(self, exc: DrainError) -> None:
+        """Any other error of a cycle or of taking the lead: the session goes, with
+        its batch and the lock, and the drain connects again, backing off while it
+        repeats."""
+        self._database_lost(DatabaseUnavailable(f"{self._clean(exc)}; reconnecting"))
 
     def _conflict(self, exc: BatchConflict) -> None:
         """A concurrent change made the batch fail (a row updated or deleted

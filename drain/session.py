@@ -26,7 +26,13 @@ from psycopg.pq import TransactionStatus
 
 from drain import abandoned, failover, sql
 from drain.config import Settings
-from drain.errors import DatabaseRefused, DatabaseUnavailable, DrainError, SchemaMissing
+from drain.errors import (
+    DatabaseRefused,
+    DatabaseUnavailable,
+    DrainError,
+    PermissionDenied,
+    SchemaMissing,
+)
 from drain.session_probe import check as check_session
 from drain.url_parts import first_line
 from drain.urls import mask_database_url, scrub
@@ -159,7 +165,8 @@ class Session:
             self._end_abandoned()
         except psycopg.Error as exc:
             self.close()
-            raise self._unavailable("failed", exc) from None
+            refused = refusal(exc, self._display, RUNNER_GRANT)
+            raise (refused or self._unavailable("failed", exc)) from None
         except DrainError:
             self.close()
             raise
@@ -273,20 +280,11 @@ class Session:
         try:
             self.asked_at = time.monotonic()
             return conn.execute(self._query(name), params)
-        except psycopg.errors.InsufficientPrivilege as exc:
-            raise DrainError(
-                f"database {self._display}: {first_line(exc)} (grant the drain's role "
-                "drain_runner, see staging_schema.sql)"
-            ) from None
-        except psycopg.errors.UndefinedTable:
-            raise SchemaMissing(
-                f"database {self._display} has no staged_jobs table: run `drain migrate` first"
-            ) from None
-        except (psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction) as exc:
-            raise SchemaMissing(
-                f"database {self._display} has an older drain schema ({first_line(exc)}): "
-                "run `drain migrate`"
-            ) from None
+        except (psycopg.errors.InsufficientPrivilege, psycopg.errors.UndefinedTable,
+                psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction) as exc:
+            refused = refusal(exc, self._display, RUNNER_GRANT)
+            assert refused is not None
+            raise refused from None
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             if rolled_back(exc) and conn.info.transaction_status == TransactionStatus.INERROR:
                 raise  # inside a batch: Store.batch rolls it back and says so
@@ -308,6 +306,40 @@ class Session:
         return DatabaseUnavailable(
             f"database {self._display} {what}: {scrub(failover.describe(exc), self._secrets)}"
         )
+
+
+#: What the drain's role needs, said when the database refuses it something.
+RUNNER_GRANT = "`drain run` and `drain status` need drain_runner"
+#: ... and the operators' commands.
+OPERATOR_GRANT = "`drain stage`, `drain dead` and `drain processed` need drain_operator"
+
+
+def refusal(exc: psycopg.Error, display: str, needs: str) -> DrainError | None:
+    """A database error no retry can change, as the error drain raises for it:
+    PermissionDenied (the role lacks a grant; ``needs`` says which role would do),
+    SchemaMissing (no such table, column or function: run `drain migrate`);
+    None for any other error."""
+    if isinstance(exc, psycopg.errors.InsufficientPrivilege):
+        return PermissionDenied(
+            f"database {display}: {first_line(exc)} (README, \"Database roles\": {needs})")
+    if isinstance(exc, psycopg.errors.UndefinedTable):
+        return SchemaMissing(
+            f"database {display} has no drain schema ({first_line(exc)}): run `drain migrate` "
+            "first")
+    if isinstance(exc, (psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction)):
+        return SchemaMissing(
+            f"database {display} has an older drain schema ({first_line(exc)}): "
+            "run `drain migrate`")
+    return None
+
+
+def connected_to(conn: psycopg.Connection[tuple[object, ...]]) -> str:
+    """The database a connection reached, as a URL without password: its user,
+    host, port and name as the server session has them (libpq's defaults and
+    PG* variables resolved)."""
+    info = conn.info
+    host = info.host if not info.host.startswith("/") else f"[socket {info.host}]"
+    return f"postgresql://{info.user}@{host}:{info.port}/{info.dbname}"
 
 
 #: Server answers that retrying will not change (unlike "too many clients").

@@ -13,10 +13,10 @@ from typing import Any
 
 import psycopg
 
-from drain import sql
+from drain import session, sql
 from drain.abandoned import lane_class, lane_guard
 from drain.config import Settings
-from drain.errors import DatabaseUnavailable, DrainError, SchemaMissing
+from drain.errors import DatabaseUnavailable, DrainError
 from drain.session import connect_plain
 from drain.url_parts import first_line
 from drain.urls import scrub
@@ -53,6 +53,8 @@ def read(
       transaction other than this one (None: none), which keeps them there
       while ``blocks_vacuum``.
     * ``dead_by_reason``, ``lock`` (its holder) and ``lanes`` (holders by lane).
+    * ``database``: the database read, as connected to (user, host, port, name;
+      no password).
 
     Runs in a transaction of its own (a savepoint inside the caller's), so a
     watching operator or the sampler never holds one open between calls.
@@ -81,8 +83,11 @@ def read(
                         {"lane": lane, **held.get(lane, {"held": False})}
                         for lane in range(count)
                     ]
-    except psycopg.errors.UndefinedTable:
-        raise SchemaMissing("no staged_jobs table: run `drain migrate` first") from None
+    except psycopg.Error as exc:
+        refused = session.refusal(exc, session.connected_to(conn), session.RUNNER_GRANT)
+        if refused is None:
+            raise
+        raise refused from None
     total, delayed, group_count = (int(n) for n in groups[0][6:9]) if groups else (0, 0, 0)
     scale = 1.0
     if sample is not None:
@@ -91,6 +96,7 @@ def read(
     waits = [age for age in (ready_age, due_age, *(g[5] for g in groups))
              if isinstance(age, float) and age >= 0]
     return {
+        "database": session.connected_to(conn),
         "backlog": total,
         "backlog_estimated": sample is not None,
         "sample": sample,
