@@ -55,11 +55,14 @@ def add_dead_parser(sub: Any) -> None:
         help="move matching dead jobs back into staged_jobs",
         description="Move matching dead jobs back into staged_jobs, with their task id, "
         "due at once, with a fresh expiry (their original time to live, or "
-        "--expires-in). Prints the count first; asks unless --yes.",
+        "--expires-in). A job whose expiry was at or before its due time has no time "
+        "to live to give again: without --expires-in, such jobs make the requeue refuse "
+        "(exit code 2, nothing moved). Prints the count first; asks unless --yes.",
     )
     _add_dead_filters(q, older_than_required=False)
     q.add_argument("--expires-in", type=duration, metavar="DURATION",
-                   help="expire the requeued jobs this long from now")
+                   help="expire the requeued jobs this long from now (needed for jobs that "
+                   "expired at or before they were due)")
     q.add_argument("--yes", action="store_true", help="do not ask (for scripts)")
     q.set_defaults(func=cmd_dead_requeue)
     q = dead_sub.add_parser(
@@ -97,7 +100,7 @@ def cmd_dead_list(args: argparse.Namespace) -> int:
         found = dead.rows(conn, filters, args.limit)
     if args.json:
         for row in found:
-            print(json.dumps(row, default=str, sort_keys=True))
+            print(_json_line(row))
         return Exit.OK
     print(f"{total} dead job(s) match ({filters.describe()})"
           + (f"; the newest {len(found)}:" if found and len(found) < total else ""))
@@ -108,12 +111,28 @@ def cmd_dead_list(args: argparse.Namespace) -> int:
     return Exit.OK
 
 
+#: Columns :func:`drain.dead.rows` gives as JSON text, written into the line as they are.
+_JSON_TEXT = ("args", "kwargs")
+
+
+def _json_line(row: dict[str, Any]) -> str:
+    """One dead job as a JSON object, sorted keys; args and kwargs as the database's
+    JSON text, so no value is lost or refused (a 5,000-digit integer stays one)."""
+    return "{" + ", ".join(
+        f"{json.dumps(key)}: "
+        + (value if key in _JSON_TEXT else json.dumps(value, default=str))
+        for key, value in sorted(row.items())
+    ) + "}"
+
+
 def _act_on_dead(
     args: argparse.Namespace, what: str, act: Callable[[Any, dead.Filters], int], done: str
 ) -> int:
     """Count the matching dead jobs, confirm, act, and say how many were affected."""
     filters = _filters(args)
     with session.connect_plain(settings_of(args)) as conn:
+        if what == "requeue" and args.expires_in is None:
+            dead.refuse_without_time_to_live(conn, filters)  # before asking
         if not _confirm(what, dead.count(conn, filters), filters, args.yes):
             return Exit.OK
         print(done.format(act(conn, filters)))

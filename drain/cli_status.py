@@ -108,7 +108,7 @@ def _status_lines(status: dict[str, Any]) -> list[str]:
     def count(n: int) -> str:
         return f"~{n:,}" if estimated else str(n)
 
-    lines = []
+    lines = [f"database: {status['database']}"]
     age = status["oldest_age_seconds"]
     delayed = f" ({count(status['delayed'])} delayed)" if status["delayed"] else ""
     lines.append(f"backlog: {count(status['backlog'])} staged job(s){delayed}"

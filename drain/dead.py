@@ -21,7 +21,7 @@ import psycopg
 from psycopg import sql
 
 from drain import sql as queries
-from drain.errors import ConfigError, SchemaMissing
+from drain.errors import ConfigError, SchemaMissing, StagingError
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -86,12 +86,15 @@ def count(conn: psycopg.Connection[Any], filters: Filters) -> int:
 
 
 def rows(conn: psycopg.Connection[Any], filters: Filters, limit: int) -> list[dict[str, Any]]:
-    """The newest matching dead jobs first."""
+    """The newest matching dead jobs first. ``args`` and ``kwargs`` are the
+    database's JSON text, as stored: valid JSON, whatever it holds (an integer
+    of 5,000 digits, which Python's JSON decoder refuses, included)."""
     where, params = filters.where()
     cur = conn.execute(
         sql.SQL(
             "SELECT id, task_id::text, task_name, queue, tag, priority, reason, detail, "
-            "dead_at, staged_at, args, kwargs FROM dead_jobs WHERE {} "
+            "dead_at, staged_at, args::text AS args, kwargs::text AS kwargs "
+            "FROM dead_jobs WHERE {} "
             "ORDER BY dead_at DESC, id DESC LIMIT {}"
         ).format(where, sql.Placeholder("limit")),
         {**params, "limit": limit},
@@ -110,14 +113,18 @@ def requeue(
     upgrade is still routed as "no queue given"), and are due at once.
     Expiry is fresh: ``expires_in`` from now when given, else the time to live
     the job had when it was staged (expires_at minus its staging or due time),
-    else none. Raises :class:`SchemaMissing` on a schema `drain migrate` has
-    not upgraded yet.
+    else none. Without ``expires_in``, a job whose expiry was at or before its
+    start had no time to live to give again (it would expire at once): then
+    nothing is requeued and StagingError says so (:func:`no_time_to_live`).
+    Raises :class:`SchemaMissing` on a schema `drain migrate` has not upgraded yet.
     """
     where, params = filters.where()
     with conn.transaction():
         if conn.execute(queries.query("queue_legacy_present")).fetchone() != (True,):
             raise SchemaMissing("dead_jobs has no queue_legacy column (an older drain "
                                 "schema): run `drain migrate`")
+        if expires_in is None:
+            refuse_without_time_to_live(conn, filters)
         query = sql.SQL(
             """
             WITH moved AS (DELETE FROM dead_jobs WHERE {} RETURNING *)
@@ -132,6 +139,27 @@ def requeue(
             """
         ).format(where, expires_in=sql.Placeholder("expires_in"))
         return conn.execute(query, {**params, "expires_in": expires_in}).rowcount
+
+
+def no_time_to_live(conn: psycopg.Connection[Any], filters: Filters) -> int:
+    """How many matching dead jobs expired at or before their start (due time, or
+    staging time): requeued with their own time to live, they would expire at once."""
+    where, params = filters.where()
+    row = conn.execute(sql.SQL(
+        "SELECT count(*) FROM dead_jobs WHERE {} "
+        "AND expires_at <= coalesce(not_before, staged_at)").format(where), params).fetchone()
+    return int(row[0]) if row else 0
+
+
+def refuse_without_time_to_live(conn: psycopg.Connection[Any], filters: Filters) -> None:
+    """StagingError when :func:`no_time_to_live` finds any."""
+    stuck = no_time_to_live(conn, filters)
+    if stuck:
+        raise StagingError(
+            f"{stuck} matching dead job(s) expired at or before they were due: requeued "
+            "with their own time to live they would expire at once. Nothing was requeued; "
+            "give them a fresh expiry with --expires-in DURATION, or leave them out "
+            "(--task, --tag, --reason ...)")
 
 
 def purge(conn: psycopg.Connection[Any], filters: Filters) -> int:

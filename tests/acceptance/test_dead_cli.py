@@ -7,9 +7,10 @@ import uuid
 from typing import Any
 
 import psycopg
+import pytest
 
 import drain
-from tests import support
+from tests import roles, support
 
 DEAD_ROWS = [
     # (id, task, tag, reason, dead for, ttl the job had at staging)
@@ -140,3 +141,72 @@ def test_status_groups_the_backlog_and_counts_dead_letters(db_url: str) -> None:
     assert "backlog: 6 staged job(s) (1 delayed)" in human
     assert "dead letters: expired 3, too_large 1" in human
     assert "backfill.x" in human
+
+
+# -- issue 24, item 6: the operator's paths -------------------------------------------------
+
+
+def test_list_shows_a_5000_digit_integer_as_the_databases_json(db_url: str) -> None:
+    """Before: exit 1, "ValueError: Exceeds the limit (4300 digits) for integer string
+    conversion", until the row was purged."""
+    big = "9" * 5000
+    with psycopg.connect(db_url) as conn:
+        conn.execute(
+            "INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, priority, "
+            "staged_at, reason, detail) VALUES (1, gen_random_uuid(), 't.big', %s::jsonb, "
+            "'{}', 'celery', 0, now(), 'invalid', 'too long an integer')", (f"[{big}]",))
+    listed = support.run_cli(db_url, "dead", "list")
+    assert listed.returncode == 0, listed.stderr
+    assert "t.big" in listed.stdout
+    as_json = support.run_cli(db_url, "dead", "list", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    [line] = as_json.stdout.splitlines()
+    assert f'"args": [{big}]' in line and '"task_name": "t.big"' in line
+
+
+def test_requeue_refuses_jobs_that_expired_before_they_were_due(db_url: str) -> None:
+    """Before: "requeued 1 job(s)", and the job expired again at once."""
+    with psycopg.connect(db_url) as conn:
+        conn.execute(
+            "INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, priority, "
+            "not_before, expires_at, staged_at, reason) VALUES (1, gen_random_uuid(), "
+            "'t.late', '[]', '{}', 'celery', 0, now() - interval '1 hour', "
+            "now() - interval '2 hours', now() - interval '3 hours', 'expired')")
+    refused = support.run_cli(db_url, "dead", "requeue", "--yes")
+    assert refused.returncode == 2, refused.stderr
+    assert "expired at or before they were due" in refused.stderr
+    assert "--expires-in" in refused.stderr
+    assert support.staged_count(db_url) == 0
+    done = support.run_cli(db_url, "dead", "requeue", "--yes", "--expires-in", "1h")
+    assert done.returncode == 0, done.stderr
+    assert "requeued 1 job(s)" in done.stdout
+    with psycopg.connect(db_url) as conn:
+        row = conn.execute("SELECT expires_at > now() + interval '59 minutes' "
+                           "FROM staged_jobs").fetchone()
+    assert row == (True,)
+
+
+@pytest.mark.parametrize("args", [
+    ("stage", "t.x"), ("dead", "list"), ("dead", "requeue", "--yes"),
+    ("dead", "purge", "--older-than", "0s", "--yes"), ("processed", "purge", "--older-than", "1d"),
+    ("status",),
+])
+def test_a_missing_schema_says_run_drain_migrate(empty_db_url: str, args: tuple[str, ...]) -> None:
+    """Before: a raw UndefinedTable and exit 1, for all but status."""
+    ran = support.run_cli(empty_db_url, *args)
+    assert ran.returncode == 4, ran.stderr
+    assert "run `drain migrate`" in ran.stderr and "UndefinedTable" not in ran.stderr
+
+
+def test_status_names_the_database_it_read_and_no_url_is_refused(db_url: str) -> None:
+    status = support.run_cli(db_url, "status")
+    assert status.returncode == 0, status.stderr
+    database = db_url.rsplit("/", 1)[1]
+    assert status.stdout.splitlines()[0] == (
+        f"database: postgresql://{roles.RUNNER}@127.0.0.1:5432/{database}")
+    env = support.drain_env(db_url)
+    del env["DRAIN_DATABASE_URL"]
+    for args in (("status",), ("migrate",), ("dead", "list")):
+        ran = support.run_cli(db_url, *args, env=env)
+        assert ran.returncode == 2, ran.stderr
+        assert "no database given" in ran.stderr
