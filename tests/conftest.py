@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from drain import runner, store
+from drain import session, store
 from tests import broker_alarm as alarm
 from tests import roles, support
 
@@ -44,14 +44,15 @@ def template_db() -> Iterator[str]:
 
 @pytest.fixture(autouse=True)
 def _census_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The least-privilege census (tests/roles.py) counts in-process drains too."""
-    real = runner.Drain.__init__
+    """The least-privilege census (tests/roles.py) counts in-process drains and
+    their sessions (drain.session.Session: a Drain's, a Store used directly) too."""
+    real = session.Session.__init__
 
-    def init(self: runner.Drain, settings: Any, **kwargs: Any) -> None:
-        roles.census_note(settings.database_url, "in-process drain")
-        real(self, settings, **kwargs)
+    def init(self: session.Session, settings: Any) -> None:
+        roles.census_note(settings.database_url, "in-process drain session")
+        real(self, settings)
 
-    monkeypatch.setattr(runner.Drain, "__init__", init)
+    monkeypatch.setattr(session.Session, "__init__", init)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -39,7 +39,6 @@ run (the least-privilege census).
 from __future__ import annotations
 
 import os
-import urllib.parse
 from typing import NamedTuple
 
 import psycopg
@@ -109,17 +108,16 @@ def url(db_url: str, role: str) -> str:
         return db_url
     admin = _admin_user()
     try:
-        if db_url.startswith(("postgresql://", "postgres://")):
-            parts = urllib.parse.urlsplit(db_url)
-            if parts.password is not None or (parts.username or admin) != admin:
-                return db_url
-            host = parts.netloc.rpartition("@")[2]
-            return urllib.parse.urlunsplit(parts._replace(netloc=f"{role}@{host}"))
         params = conninfo.conninfo_to_dict(db_url)
-    except (ValueError, psycopg.ProgrammingError):
+    except psycopg.ProgrammingError:
         return db_url  # a malformed URL (a test of the URL checks) stays as it is
     if params.get("password") or params.get("user", admin) != admin:
         return db_url
+    for scheme in ("postgresql://", "postgres://"):
+        if db_url.startswith(f"{scheme}{admin}@"):
+            return f"{scheme}{role}@{db_url[len(scheme) + len(admin) + 1:]}"
+    if db_url.startswith(("postgresql:", "postgres:")):
+        return db_url  # a URL spelled otherwise: left alone rather than guessed at
     return conninfo.make_conninfo(db_url, user=role)
 
 

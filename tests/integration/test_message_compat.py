@@ -17,7 +17,7 @@ from celery import Celery
 import drain
 from drain.config import Settings
 from drain.runner import Drain
-from tests import support
+from tests import roles, support
 
 ARGS = [1, "a", {"nested": [1, 2.5, None]}, "it's \"quoted\"\n", "é☃", 2**40]
 # jsonb keeps object keys sorted (shorter first, then bytewise), so the worker
@@ -44,7 +44,7 @@ def _get_one(queue: str) -> tuple[Any, Any, bytes]:
 def _drain_message(db_url: str, queue: str, task_id: uuid.UUID) -> tuple[Any, Any, bytes]:
     with support.connect(db_url) as conn:
         drain.stage(conn, "search.index_annotation", ARGS, KWARGS, queue=queue, task_id=task_id)
-    Drain(Settings(database_url=db_url, broker_url=support.BROKER_URL),
+    Drain(Settings(database_url=roles.url(db_url, roles.RUNNER), broker_url=support.BROKER_URL),
           exit_when_empty=True).run()
     return _get_one(queue)
 

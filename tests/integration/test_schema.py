@@ -541,7 +541,7 @@ def test_a_job_staged_before_the_upgrade_without_a_queue_is_requeued_as_such(
         conn.commit()
         # A job staged by the application after the upgrade, with queue celery.
         drain.stage(conn, "new.celery", queue="celery")
-    drainer = store.Store(Settings(database_url=db_url))
+    drainer = store.Store(Settings(database_url=roles.url(db_url, roles.RUNNER)))
     drainer.connect()
     try:
         with drainer.batch():
@@ -564,7 +564,7 @@ def test_a_drain_on_a_schema_from_before_queue_legacy_says_run_drain_migrate(
     db_url: str,
 ) -> None:
     support.as_upgraded_by_an_older_drain(db_url, mark=1)
-    drainer = store.Store(Settings(database_url=db_url))
+    drainer = store.Store(Settings(database_url=roles.url(db_url, roles.RUNNER)))
     with pytest.raises(SchemaMissing, match=r"queue_legacy\): run `drain migrate`"):
         drainer.connect()
     drainer.close()
@@ -591,7 +591,7 @@ def test_an_expired_job_keeps_its_embed_in_dead_jobs_and_gets_it_back_on_requeue
     db_url: str,
 ) -> None:
     _stage_with_embed(db_url, "t.expired", expires_at="2000-01-01T00:00:00Z")
-    drainer = store.Store(Settings(database_url=db_url))
+    drainer = store.Store(Settings(database_url=roles.url(db_url, roles.RUNNER)))
     drainer.connect()
     try:
         with drainer.batch():

@@ -10,11 +10,12 @@ import psycopg
 from drain import sql
 from drain.config import Settings
 from drain.store import Store, fetch_params
+from tests import roles
 
 
 def test_session_settings_and_user_options(db_url: str) -> None:
     url = db_url + "?options=-c%20search_path%3Dpublic,pg_catalog&keepalives_idle=9"
-    store = Store(Settings(database_url=url, confirm_timeout=10))
+    store = Store(Settings(database_url=roles.url(url, roles.RUNNER), confirm_timeout=10))
     store.connect()
     try:
         assert store.try_lock()
@@ -50,7 +51,7 @@ def test_fetch_walks_the_index_on_a_table_the_planner_knows_nothing_about(db_url
             "INSERT INTO staged_jobs (task_name, args) "
             "SELECT 't', jsonb_build_array(g) FROM generate_series(1, 40000) g"
         )
-    store = Store(Settings(database_url=db_url))
+    store = Store(Settings(database_url=roles.url(db_url, roles.RUNNER)))
     store.connect()
     try:
         conn = store._require()
@@ -83,7 +84,7 @@ def test_a_wait_takes_every_queued_notification_at_once(db_url: str) -> None:
     """One NOTIFY per staging commit piles up in psycopg while the drain is busy;
     a wait must take them all, or each would cost an empty cycle later (and the
     queue would grow without bound under a steady load)."""
-    store = Store(Settings(database_url=db_url))
+    store = Store(Settings(database_url=roles.url(db_url, roles.RUNNER)))
     store.connect()
     try:
         assert store.arm(announce=False)  # idle: staging notifies (drain.wakeup)
@@ -101,7 +102,7 @@ def test_a_wait_takes_every_queued_notification_at_once(db_url: str) -> None:
 
 
 def test_a_batch_forgets_the_notifications_of_rows_it_can_already_see(db_url: str) -> None:
-    store = Store(Settings(database_url=db_url))
+    store = Store(Settings(database_url=roles.url(db_url, roles.RUNNER)))
     store.connect()
     try:
         assert store.arm(announce=False)  # idle: staging notifies (drain.wakeup)

@@ -27,7 +27,7 @@ from drain.config import Settings
 from drain.store import Store, migrate
 from drain.urls import broker_parameters
 from drain.wakeup import ARM_AFTER, WAKE_CLASS
-from tests import support
+from tests import roles, support
 from tests.integration.conftest import Running
 
 #: A wake-up lost would leave a job for the 60 s poll; everything else is fast.
@@ -81,7 +81,8 @@ def test_staging_never_waits_for_the_drain(db_url: str, queue: str) -> None:
 def test_a_drain_arms_only_when_no_silent_staging_transaction_is_open(
     db_url: str, queue: str
 ) -> None:
-    store = Store(Settings(database_url=db_url, broker_url=support.BROKER_URL))
+    store = Store(Settings(database_url=roles.url(db_url, roles.RUNNER),
+                           broker_url=support.BROKER_URL))
     store.connect()
     try:
         with psycopg.connect(db_url, autocommit=True) as probe:
@@ -111,7 +112,7 @@ def test_a_drain_arms_only_when_no_silent_staging_transaction_is_open(
 def test_a_drain_that_died_armed_leaves_staging_loud_until_another_leads(
     db_url: str, queue: str
 ) -> None:
-    settings = Settings(database_url=db_url, broker_url=support.BROKER_URL)
+    settings = Settings(database_url=roles.url(db_url, roles.RUNNER), broker_url=support.BROKER_URL)
     leader, standby = Store(settings), Store(settings)
     leader.connect()
     standby.connect()  # connected before the leader dies, as a hot standby is
