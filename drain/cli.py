@@ -252,8 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "migrate",
         help="apply staging_schema.sql to the database (idempotent)",
-        description="Create or update staged_jobs, its NOTIFY trigger and the drain_stager / "
-        "drain_runner roles. Safe to run any number of times.",
+        description="Create or update staged_jobs, its NOTIFY trigger and the drain_stager, "
+        "drain_runner, drain_operator and drain_consumer roles (it only ever adds grants). "
+        "Run it as the role that owns the tables. Safe to run any number of times, also "
+        "while drains run.",
     )
     add_database(p)
     p.add_argument("--print", action="store_true", help="print the schema SQL, apply nothing")
