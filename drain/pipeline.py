@@ -84,8 +84,9 @@ class Pipeline:
         self.inflight: list[Batch] = []
         #: queue -> (paused until (monotonic), times paused, last reason logged)
         self.paused: dict[str, tuple[float, int, str]] = {}
-        #: queue -> consecutive pauses for nacks (reset by a confirm without a nack).
-        self._nacks: dict[str, int] = {}
+        #: queue -> consecutive pauses for nacks and refusals (drain.refusal), reset
+        #: by a confirm without either.
+        self._held: dict[str, int] = {}
         #: Rows the broker confirmed, this process's lifetime.
         self.published = 0
         self._heads_at = 0.0
@@ -378,20 +379,32 @@ class Pipeline:
             del self.paused[queue]
             log.info("queue %r: publishing again", queue)
 
-    def _refused(self, result: PublishResult) -> None:
+    def _refused(self, result: PublishResult) -> set[str]:
         """Count and say what the broker refused (drain.refusal): dead-lettered rows
-        went to dead_jobs with the batch; held rows pause their queue."""
+        went to dead_jobs with the batch; held rows pause their queue. Returns the
+        queues paused."""
         said: set[tuple[str, str]] = set()
+        held: dict[str, str] = {}
         for m, refusal in result.refused:
             self.metrics.publish_refused.labels(str(refusal.code)).inc()
             if refusal.action == "hold":
-                self._pause(m.pause_key, f"broker refused a publish to exchange "
-                            f"{m.exchange!r}: {refusal.text}; its rows stay staged")
+                held.setdefault(m.pause_key, f"broker refused a publish to exchange "
+                                f"{m.exchange!r}: {refusal.text}; its rows stay staged")
             elif (refusal.action, refusal.text) not in said:
                 said.add((refusal.action, refusal.text))
                 log.warning("broker refused a publish (%s): %s", refusal.text,
                             "moved to dead_jobs (reason 'refused')" if refusal.action == "dead"
                             else "its row stays staged; declaring its queue again")
+        for queue, reason in sorted(held.items()):
+            self._hold(queue, reason)
+        return set(held)
+
+    def _hold(self, queue: str, reason: str) -> None:
+        """Pause ``queue`` for a publish the broker would refuse or nack again at
+        once. A pause ends when the queue can be declared, which says nothing
+        here: the backoff grows until a message to it is confirmed."""
+        times = self._held[queue] = self._held.get(queue, 0) + 1
+        self._pause(queue, reason, times=times - 1)
 
     def _account(self, result: PublishResult) -> None:
         self.published += len(result.confirmed)
@@ -408,18 +421,14 @@ class Pipeline:
                                "bound); their rows stay staged")
         if result.nacked:
             log.warning("broker nacked %d message(s); their rows stay staged", result.nacked)
-        for queue in result.confirmed_queues - result.nacked_queues:
-            self._nacks.pop(queue, None)
         for queue in sorted(result.nacked_queues):
-            # Nacked again at once if published again at once (a full queue with
-            # x-overflow reject-publish): with backoff, not in a loop. A pause ends
-            # when the queue can be declared, which says nothing here: the backoff
-            # grows until a message to it is confirmed.
-            times = self._nacks[queue] = self._nacks.get(queue, 0) + 1
-            self._pause(queue, f"the broker nacks messages to queue {queue!r} (full, with "
-                               "x-overflow reject-publish?); their rows stay staged",
-                        times=times - 1)
-        self._refused(result)
+            # Nacked again if published again at once (a full queue with
+            # x-overflow reject-publish): with backoff, not in a loop.
+            self._hold(queue, f"the broker nacks messages to queue {queue!r} (full, with "
+                              "x-overflow reject-publish?); their rows stay staged")
+        held = self._refused(result) | result.nacked_queues
+        for queue in result.confirmed_queues - held:
+            self._held.pop(queue, None)
         if self._on_cycle is not None:
             self._on_cycle(len(result.confirmed) + len(result.returned) + result.nacked,
                            len(result.confirmed))

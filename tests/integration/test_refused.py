@@ -204,7 +204,7 @@ def test_a_drain_without_write_permission_holds_its_rows_and_says_so(
     delivered once the permission is granted; the drain keeps its connection."""
     with _user("^(?!amq\\.default$).*") as (user, url):
         with psycopg.connect(db_url) as conn:
-            for i in range(3):
+            for i in range(10):
                 drain.stage(conn, "t.refused", [i], queue=queue)
         running = Running(Settings(database_url=db_url, broker_url=url, poll_interval=0.2,
                                    max_backoff=0.5))
@@ -212,7 +212,10 @@ def test_a_drain_without_write_permission_holds_its_rows_and_says_so(
             metrics = running.drain.metrics.registry
             support.wait_for(lambda: metrics.get_sample_value(
                 "drain_publish_refused_total", {"code": "403"}), 30, "a refused publish")
-            assert support.staged_count(db_url) == 3
+            assert support.staged_count(db_url) == 10
+            # Paused once per batch, not once per row (that made it 2**10 s, capped
+            # at 30 s), and longer each time until a message to it is confirmed.
+            assert running.drain.pipeline.paused[queue][1] <= 3
             assert metrics.get_sample_value("drain_dead_lettered_total",
                                             {"reason": "refused"}) == 0
             _rabbitmqctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
@@ -222,7 +225,7 @@ def test_a_drain_without_write_permission_holds_its_rows_and_says_so(
                 "drain_reconnects_total", {"target": "broker"}) == 0
         finally:
             running.stop()
-    assert len(support.drain_queue(queue)) == 3
+    assert len(support.drain_queue(queue)) == 10
     said = [r.getMessage() for r in caplog.records if "ACCESS_REFUSED" in r.getMessage()]
     assert any("its rows stay staged" in line for line in said), said
 
