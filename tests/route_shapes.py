@@ -7,7 +7,7 @@ Celery app. Every ``task_routes`` form is drawn: one dict, a list of items,
 exact names, glob and regex keys, a list of (pattern, route) pairs, router
 functions (returning a queue name, a dict with or without queue / exchange /
 exchange_type / routing_key / priority, a dict holding a kombu ``Queue``
-object, or nothing), a router given by its dotted path and a pre-4.0 router
+or ``Exchange`` object, or nothing), a router given by its dotted path and a pre-4.0 router
 class; ``task_queues`` with direct, topic and fanout exchanges, extra
 bindings, priority and quorum queues, ``Broadcast``; tasks with their own
 queue, routing key, exchange and priority; the ``task_default_queue`` /
@@ -63,6 +63,8 @@ def build_route(value: dict[str, Any]) -> Any:
     route = dict(value["dict"])
     if isinstance(route.get("queue"), dict):
         route["queue"] = build_queue(route["queue"])
+    if isinstance(route.get("exchange"), dict):
+        route["exchange"] = Exchange(route["exchange"]["name"], type=route["exchange"]["type"])
     return route
 
 
@@ -197,7 +199,8 @@ class _Draw:
             route["queue"] = self.queue("obj")
         else:
             name, kind = self.external_exchange()
-            route["exchange"] = name
+            # The exchange by name, or as a kombu Exchange object.
+            route["exchange"] = name if rng.random() < 0.75 else {"name": name, "type": kind}
             if shape == "exchange":
                 route["exchange_type"] = kind
             # A direct exchange needs a routing key, else apply_async sends to ''
@@ -233,6 +236,23 @@ def _settings(draw: _Draw) -> dict[str, Any]:
     return settings
 
 
+def _task_options(draw: _Draw, *, own: bool) -> dict[str, Any]:
+    """A task's own publishing options (``own``: always some)."""
+    rng = draw.rng
+    options: dict[str, Any] = {}
+    if own and rng.random() < 0.25:
+        # The task's own exchange and routing key, no queue of its own.
+        options["exchange"], _ = draw.external_exchange()
+        options["routing_key"] = draw.fresh("rk")
+    elif own or rng.random() < 0.15:
+        options["queue"] = draw.queue_name()
+        if rng.random() < 0.3:
+            options["routing_key"] = draw.fresh("rk")
+        if rng.random() < 0.3:
+            options["priority"] = rng.choice([1, 6])
+    return options
+
+
 KINDS = ("none", "task", "exact", "glob", "regex", "pairs", "function", "function",
          "conditional", "path", "oldstyle")
 
@@ -251,13 +271,7 @@ def app_spec(rng: random.Random, index: int) -> dict[str, Any]:
     for _ in range(rng.randint(8, 14)):
         kind = rng.choice(KINDS)
         name = draw.fresh("t") + "." + {"path": "viapath", "oldstyle": "oldstyle"}.get(kind, "job")
-        options: dict[str, Any] = {}
-        if kind == "task" or rng.random() < 0.15:
-            options["queue"] = draw.queue_name()
-            if rng.random() < 0.3:
-                options["routing_key"] = draw.fresh("rk")
-            if rng.random() < 0.3:
-                options["priority"] = rng.choice([1, 6])
+        options = _task_options(draw, own=kind == "task")
         if kind == "exact":
             mapping.append((name, draw.route()))
         elif kind == "glob":

@@ -20,7 +20,7 @@ alternate exchange, by policy), since the drain publishes with ``mandatory``
 and keeps a row staged while its message would go nowhere.
 
 The seed is random unless ``DRAIN_DIFF_SEED`` is set, and printed (replay:
-``DRAIN_DIFF_SEED=<seed>``); ``DRAIN_DIFF_APPS`` apps are drawn (default 8).
+``DRAIN_DIFF_SEED=<seed>``); ``DRAIN_DIFF_APPS`` apps are drawn (default 10).
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def _one_app(spec: dict[str, Any], db_url: str, tmp_path: Path, vhosts: tuple[st
 def test_drain_run_app_publishes_what_apply_async_publishes(db_url: str,
                                                             tmp_path: Path) -> None:
     seed = int(os.environ.get("DRAIN_DIFF_SEED") or random.randrange(2**32))
-    count = int(os.environ.get("DRAIN_DIFF_APPS") or 8)
+    count = int(os.environ.get("DRAIN_DIFF_APPS") or 10)
     specs = route_shapes.generate(seed, count)
     problems: list[str] = []
     with firehose.traced_vhost("diff_celery", catch_all=True) as celery_vhost, \
