@@ -68,12 +68,15 @@ def _apply_async(spec: dict[str, Any], vhost: str, staged: dict[str, dict[str, A
     """What the app sends: apply_async, with queue= where the row names one."""
     app = route_shapes.build_app(spec, firehose.url(vhost))
     try:
-        for task_id, row in staged.items():
-            if row.get("unknown"):
-                continue  # apply_async of a task the app does not have: there is none
-            options = {} if row["queue"] is None or row["legacy"] else {"queue": row["queue"]}
-            app.tasks[row["task"]].apply_async(row["args"], row["kwargs"], task_id=task_id,
-                                               **options)
+        with app.connection_for_write() as connection, \
+                app.amqp.Producer(connection) as producer:
+            for task_id, row in staged.items():
+                if row.get("unknown"):
+                    continue  # apply_async of a task the app does not have: there is none
+                options = ({} if row["queue"] is None or row["legacy"]
+                           else {"queue": row["queue"]})
+                app.tasks[row["task"]].apply_async(row["args"], row["kwargs"], task_id=task_id,
+                                                   producer=producer, **options)
     finally:
         app.close()
 
