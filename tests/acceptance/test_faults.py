@@ -29,7 +29,7 @@ import psycopg
 import pytest
 
 import drain
-from tests import support
+from tests import roles, support
 
 #: The password in every drain's database URL; it must never reach a log.
 DB_SECRET = "s3cr3t-db"
@@ -47,7 +47,7 @@ def _fault_pause(seconds: float) -> None:
 
 def _secret_db_url(db_url: str, port: int = 5432) -> str:
     dbname = db_url.rsplit("/", 1)[1]
-    return f"postgresql://postgres:{DB_SECRET}@127.0.0.1:{port}/{dbname}"
+    return f"postgresql://{roles.RUNNER}:{DB_SECRET}@127.0.0.1:{port}/{dbname}"
 
 
 def _broker_url(port: int = 5672) -> str:
@@ -741,7 +741,7 @@ def test_passwords_never_reach_the_logs_even_verbose(
     support.check_at_least_once(support.drain_queue(queue), staged)
     out = proc.output()
     assert DB_SECRET not in out and "guest:guest" not in out
-    assert f"postgresql://postgres:***@127.0.0.1:{pg.port}/" in out
+    assert f"postgresql://{roles.RUNNER}:***@127.0.0.1:{pg.port}/" in out
     assert f"amqp://guest:***@127.0.0.1:{amqp.port}//" in out
     assert "DEBUG" in out, "ran without debug logging"
     # Nor in another spelling (URL-encoded, libpq key=value, a bytes repr).
