@@ -23,7 +23,6 @@ backoff, and followed by one "... back" line when a cycle succeeds again.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
 import functools
 import logging
@@ -34,9 +33,7 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
-import tenacity
-
-from drain import broker_list, celery_app, keyset, reachable, routing, wakeup
+from drain import broker_list, celery_app, keyset, outages, reachable, routing, wakeup
 from drain.config import Settings
 from drain.errors import (
     BatchConflict,
@@ -64,7 +61,7 @@ log = logging.getLogger(__name__)
 BLOCKED_LOOK = 0.25
 #: Errors that end ``drain run``: no retry can fix them (a missing grant, a bad
 #: setting, a schema `drain migrate` must bring up to date, a refused first login:
-#: see Drain._retry). Any other DrainError in the loop costs the session, not the drain.
+#: see drain.outages). Any other DrainError in the loop costs the session, not the drain.
 FATAL = (PermissionDenied, ConfigError, SchemaMissing, DatabaseRefused, BrokerRefused)
 
 
@@ -76,18 +73,6 @@ class State(enum.Enum):
     BROKER_DOWN = "broker down"
     BROKER_BLOCKED = "broker blocked"
     STOPPING = "stopping"
-
-
-@dataclasses.dataclass
-class Trouble:
-    """What is going wrong with one target ("database" or "broker")."""
-
-    #: The last error logged (an identical one is not logged again).
-    error: str | None = None
-    #: Whether it came from a cycle, rather than from connecting.
-    in_cycle: bool = False
-    #: Consecutive failures.
-    failures: int = 0
 
 
 class Drain:
@@ -118,7 +103,7 @@ class Drain:
             settings, celery_app.broker_settings(self.router.app) if self.router else None)
         #: Where to knock while waiting to reconnect (drain.reachable), resolved
         #: when an outage begins.
-        self._knock: dict[str, Callable[[], list[reachable.Address]]] = {
+        knock: dict[str, Callable[[], list[reachable.Address]]] = {
             "database": functools.partial(reachable.addresses, settings.database_url),
             "broker": self.brokers.addresses,
         }
@@ -143,8 +128,10 @@ class Drain:
                                   state=lambda: self.state.value)
         self._stopping = False
         self._lane_conflict: str | None = None
-        self._connected_once: set[str] = set()
-        self._trouble = {"database": Trouble(), "broker": Trouble()}
+        #: Each failure logged once, backoff and retries (drain.outages).
+        self._outages = outages.Outages(
+            self.metrics, settings.max_backoff, knock, sleep=self._sleep,
+            stopping=lambda: self._stopping, clean=self._clean, down=self._down)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -231,8 +218,8 @@ class Drain:
         def attempt() -> None:
             self._store.connect()
 
-        connected = self._retry(attempt, DatabaseUnavailable, "database")
-        if connected and not self._trouble["database"].in_cycle:
+        connected = self._outages.retry(attempt, DatabaseUnavailable, "database")
+        if connected and not self._outages.in_cycle("database"):
             log.info("database connected")
 
     def _try_lead(self) -> None:
@@ -251,7 +238,7 @@ class Drain:
         except (LaneConflict, ReadOnlyStandby) as exc:
             self._standing_by(exc)
             return
-        self._recovered("database")
+        self._outages.recovered("database")
         what = (f"lane {self.settings.lane} of {self.settings.lanes}"
                 if self.settings.lanes > 1 else "the lock")
         self._set_state(State.STANDBY,
@@ -268,8 +255,8 @@ class Drain:
         self._sleep(self.settings.standby_interval)
 
     def _connect_broker(self) -> None:
-        if self._retry(self._publisher.connect, BrokerUnavailable, "broker"):
-            if not self._trouble["broker"].in_cycle:
+        if self._outages.retry(self._publisher.connect, BrokerUnavailable, "broker"):
+            if not self._outages.in_cycle("broker"):
                 log.info("broker connected")
             self.state = State.ACTIVE
 
@@ -290,8 +277,8 @@ class Drain:
             return
         self.metrics.cycle_seconds.observe(time.perf_counter() - started)
         self.metrics.last_cycle.set(time.time())
-        self._recovered("database")
-        self._recovered("broker")
+        self._outages.recovered("database")
+        self._outages.recovered("broker")
         if count < self.settings.batch_size and not self.pipeline.inflight:
             if count == 0 and self.exit_when_empty:
                 log.info("backlog empty: exiting (--exit-when-empty)")
@@ -367,7 +354,7 @@ class Drain:
         self._store.close()
         self.state = State.DB_DOWN
         suffix = "; lock released, batch rolled back" if was_active else ""
-        self._failed("database", self._clean(exc) + suffix, in_cycle=True)
+        self._outages.failed("database", self._clean(exc) + suffix, in_cycle=True)
 
     def _unexpected(self, exc: DrainError) -> None:
         """Any other error of a cycle or of taking the lead: the session goes, with
@@ -380,87 +367,14 @@ class Drain:
         under it): it rolled back, the session and the lock are kept, and the
         next cycle fetches afresh."""
         self.pipeline.forget()
-        self._failed("database", str(exc) + "; batch rolled back, rows stay staged",
+        self._outages.failed("database", str(exc) + "; batch rolled back, rows stay staged",
                      in_cycle=True)
 
     def _broker_lost(self, exc: BrokerUnavailable) -> None:
         self.pipeline.forget()  # lost with the connection; its rows stay staged
         self._publisher.close()
         self.state = State.BROKER_DOWN
-        self._failed("broker", self._clean(exc) + "; rows stay staged", in_cycle=True)
-
-    def _failed(self, what: str, text: str, *, in_cycle: bool) -> None:
-        """Log a failure unless it repeats the last one; back off when it keeps failing."""
-        trouble = self._trouble[what]
-        trouble.failures += 1
-        trouble.in_cycle = in_cycle
-        if text != trouble.error:
-            trouble.error = text
-            log.warning("%s", text)
-        if in_cycle and trouble.failures > 1:
-            # Connecting works but the work itself keeps failing: do not spin.
-            delay = min(0.1 * 2 ** (trouble.failures - 1), self.settings.max_backoff)
-            self._sleep(delay)
-
-    def _recovered(self, what: str) -> None:
-        trouble = self._trouble[what]
-        if trouble.error is not None and trouble.in_cycle:
-            log.info("%s back: working again after %d failure(s)", what, trouble.failures)
-        self._trouble[what] = Trouble()
-
-    def _retry(self, attempt: Callable[[], None], errors: type[Exception], what: str) -> bool:
-        """Call ``attempt`` until it succeeds or the drain stops; True on success.
-
-        A refusal (bad password, unknown role, database or vhost) on the very
-        first connection is a configuration error: it is raised, and the CLI
-        exits with code 3. Later, it is retried like an outage: credentials may
-        be rotating.
-        """
-        failures = 0
-
-        def first_refusal(exc: BaseException) -> bool:
-            refused = isinstance(exc, (DatabaseRefused, BrokerRefused))
-            return refused and what not in self._connected_once
-
-        def before_sleep(state: tenacity.RetryCallState) -> None:
-            nonlocal failures
-            failures += 1
-            exc = state.outcome.exception() if state.outcome else None
-            self.state = State.DB_DOWN if what == "database" else State.BROKER_DOWN
-            if failures == 1:
-                self._failed(
-                    what,
-                    f"{self._clean(exc)}; retrying with backoff "
-                    f"(up to {self.settings.max_backoff:g}s)",
-                    in_cycle=False,
-                )
-
-        watch = reachable.Watch(self._knock[what])
-
-        def sleep(seconds: float) -> None:
-            self._sleep_until_back(seconds, watch, what)
-
-        retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception(
-                lambda exc: isinstance(exc, errors) and not first_refusal(exc)
-            ),
-            wait=tenacity.wait_exponential(multiplier=0.1, max=self.settings.max_backoff)
-            + tenacity.wait_random(0, 0.2),
-            stop=lambda _state: self._stopping,
-            sleep=sleep,
-            before_sleep=before_sleep,
-            reraise=True,
-        )
-        try:
-            retrying(attempt)
-        except errors as exc:
-            if first_refusal(exc):
-                raise
-            return False
-        if what in self._connected_once:
-            self.metrics.reconnects.labels(what).inc()
-        self._connected_once.add(what)
-        return True
+        self._outages.failed("broker", self._clean(exc) + "; rows stay staged", in_cycle=True)
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -470,6 +384,9 @@ class Drain:
         self.state = state
         level = logging.WARNING if state in (State.DB_DOWN, State.BROKER_DOWN) else logging.INFO
         log.log(level, msg, *args)
+
+    def _down(self, what: str) -> None:
+        self.state = State.DB_DOWN if what == "database" else State.BROKER_DOWN
 
     def _clean(self, exc: BaseException | None) -> str:
         # DrainErrors are built from masked URLs and scrubbed driver text already;
@@ -485,19 +402,6 @@ class Drain:
         self._heartbeat = time.monotonic()
         select.select([self._wake_r], [], [], seconds)
         self._drain_wake_pipe()
-
-    def _sleep_until_back(self, seconds: float, watch: reachable.Watch, what: str) -> None:
-        """Back off for ``seconds``, but end the wait as soon as a server that
-        was not listening listens again (drain.reachable)."""
-        deadline = time.monotonic() + seconds
-        while not self._stopping:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._sleep(min(left, reachable.INTERVAL))
-            if watch.came_back():
-                log.info("%s is accepting connections again: reconnecting now", what)
-                return
 
     def _drain_wake_pipe(self) -> None:
         try:
