@@ -30,7 +30,7 @@ from pathlib import Path
 import psycopg
 
 from drain import store
-from tests import support
+from tests import roles, support
 
 #: The server binaries: DRAIN_TEST_PG_BIN, else Debian's for Postgres 15 (the version
 #: the machine's own server runs), else the newest Debian has.
@@ -179,6 +179,7 @@ class Pair:
         with psycopg.connect(self.primary.url()) as conn:
             store.migrate(conn)
             conn.execute(APP_DDL)
+        roles.ensure(self.primary.url("postgres"))  # the drains run as drain_runner
         _run("pg_basebackup", "-h", "127.0.0.1", "-p", str(self.primary.port), "-U", "postgres",
              "-D", str(self.replica.data), "-R", "-X", "stream", "--no-sync",
              "-c", "fast")

@@ -29,7 +29,7 @@ import psycopg
 import pytest
 
 import drain
-from tests import replication, support
+from tests import replication, roles, support
 
 #: How long the primary is gone before the replica is promoted (a failover
 #: manager's detection time, kept short here).
@@ -148,7 +148,7 @@ def _published(port: int) -> float:
 def _connections(server: replication.Server, pid: int) -> int:
     """Sessions the drain process ``pid`` opened on ``server`` (log_connections)."""
     return server.log.read_text(errors="replace").count(
-        f"connection authorized: user=postgres database={replication.DBNAME} "
+        f"connection authorized: user={roles.RUNNER} database={replication.DBNAME} "
         f"application_name=drain pid={pid} ")
 
 
@@ -271,7 +271,7 @@ def test_a_drain_on_a_standby_waits_ready_and_leads_once_promoted(
     status, ready = _readyz(port)
     assert proc.proc.poll() is None, "the drain exited"
     assert (status, ready["role"], ready["state"]) == (200, "standby", "standby")
-    masked = pair.replica.url()
+    masked = roles.url(pair.replica.url(), roles.RUNNER)  # the drain's role
     assert out.count(f"standby: database {masked} is a read-only standby (in recovery); "
                      "waiting for it to be promoted") == 1
     assert "unreachable" not in out and " failed: " not in out and "Traceback" not in out
@@ -304,7 +304,7 @@ def test_read_write_url_with_only_a_standby_retries_with_backoff(
     lines = [x for x in out.splitlines() if "drain.outages" in x and "unreachable" in x]
     assert len(lines) == 1, "one line, not one per attempt"
     line = lines[0]
-    assert f"database {url} unreachable" in line
+    assert f"database {roles.url(url, roles.RUNNER)} unreachable" in line
     assert "session is read-only" in line and "waiting for a primary" in line
     # Backoff from 0.1 s, doubling: about 7 attempts in 6 s. A storm would be hundreds.
     assert 3 <= attempts <= 12, f"{attempts} connection attempts in {watched:.1f}s"
