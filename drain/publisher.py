@@ -22,7 +22,10 @@ broker's acks, nacks and returns to its messages.
 
 A message counts as delivered only when its ``basic.ack`` arrived and no
 ``basic.return`` came before it. Anything else (nack, return, timeout, a
-connection lost mid-batch) leaves it undelivered and its row stays staged.
+connection lost mid-batch) leaves it undelivered and its row stays staged. A
+publish the broker refuses by closing the channel (``404 NOT_FOUND - no
+exchange``) costs that message alone: drain.refusal finds it among the
+unconfirmed ones on a new channel, and the connection and the rest are kept.
 
 Matching a return to its publish
 --------------------------------
@@ -258,6 +261,7 @@ class Publisher(RefusalProbingLink):
         n = len(batch.status)
         limit = self._confirm_timeout if timeout is None else min(timeout, self._confirm_timeout)
         current = batch.generation == self._generation and self._conn is not None
+
         def done() -> bool:
             return (batch.resolved >= n or self._failure is not None
                     or self._refusal is not None or (until_blocked and self.blocked is not None))
