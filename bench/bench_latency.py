@@ -86,7 +86,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -163,9 +163,9 @@ def drain_probe(argv: list[str]) -> int:
             yield
         rec["tx"].append((t0, now(), list(deleting)))
 
-    def delete(self: Any, ids: list[int], *args: Any, **kwargs: Any) -> Any:
-        deleting.extend(ids)
-        return delete_before(self, ids, *args, **kwargs)
+    def delete(self: Any, rows: Mapping[int, int], *args: Any, **kwargs: Any) -> Any:
+        deleting.extend(rows)  # {id: xact}: the ids
+        return delete_before(self, rows, *args, **kwargs)
 
     def idle(self: Any, *args: Any, **kwargs: Any) -> Any:
         t0 = now()

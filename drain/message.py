@@ -60,6 +60,9 @@ class StagedRow:
     unrouted: bool = False
     #: Celery's embed (callbacks, errbacks, chain) as JSON text; None: none.
     embed_json: str | None = None
+    #: The transaction that staged or last updated the row (``staged_jobs.xact``):
+    #: the drain removes the row only as it read it (drain.conflicts).
+    xact: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -84,6 +84,10 @@ class Metrics:
             "drain_unsettled_rows", "Rows whose messages the broker confirmed but whose "
             "delete was rolled back (session lost, a conflicting change): they are published "
             "again with the same task id, duplicates a consumer must expect.")
+        self.conflicted = counter(
+            "drain_conflicted_rows", "Rows the drain left staged because they changed under "
+            "it (updated, or held by another transaction, after it read them): published "
+            "again as they are now, with the same task id; held out of the fetch a while.")
         self.stale_batches = counter(
             "drain_stale_batches", "Batches not published because, after a pause between "
             "fetch and publish, the session (and the lock) could not be proved alive.")

@@ -13,7 +13,6 @@ business (drain.runner); the pipeline only raises.
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 import uuid
@@ -21,6 +20,7 @@ from collections.abc import Callable, Iterator
 
 from drain import keyset, message
 from drain.config import Settings
+from drain.conflicts import Settled
 from drain.errors import (
     BatchConflict,
     BrokerBlocked,
@@ -32,6 +32,7 @@ from drain.message import Destination, StagedRow
 from drain.metrics import Metrics
 from drain.publisher import Batch, Publisher, PublishResult
 from drain.routing import AppRouter, UnknownTask
+from drain.settle import Settle
 from drain.store import Store
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class Pipeline:
         self._held: dict[str, int] = {}
         #: Rows the broker confirmed, this process's lifetime.
         self.published = 0
+        #: Removes rows only as they were read; holds out the ones that keep changing.
+        self.settle = Settle(store, metrics)
         self._heads_at = 0.0
         self._expired_at = 0.0
         self._fetched_at = 0.0
@@ -96,6 +99,7 @@ class Pipeline:
     def forget(self) -> None:
         """Drop the batches in flight: their rows stay staged, published again later."""
         self.inflight = []
+        self.settle.forget()
 
     def cycle(self, *, stopping: bool = False) -> int:
         """One transaction: publish a new batch, settle the oldest one in flight.
@@ -120,14 +124,18 @@ class Pipeline:
         doomed: list[tuple[int, str, str]] = []
         rows: list[StagedRow] = []
         limit = self.settings.batch_size
-        expired = 0
+        expired = Settled()
+        # Left out of the fetch and the expiry: the rows in flight, and the rows
+        # held out after they changed under the drain (drain.conflicts).
+        exclude = [row_id for batch in pending for row_id in batch.row_ids]
+        exclude += self.settle.held()
         try:
             # The marks move only once the batch committed (drain.keyset, "Only what
             # committed moves a mark"): a rolled-back batch's expired rows come back.
             with self.marks.transaction(), self._store.batch():
                 if not stopping:
-                    expired, rows = self._expire_and_fetch(
-                        [row_id for batch in pending for row_id in batch.row_ids], limit)
+                    expired, rows = self._expire_and_fetch(exclude, limit)
+                    self.settle.read(rows)
                 if rows:
                     self.metrics.batch_rows.observe(len(rows))
                     publishing = time.perf_counter()
@@ -145,34 +153,23 @@ class Pipeline:
                 # confirm timeout: abandoning it is safe (its rows stay staged).
                 self._collect(pending, results, everything=len(rows) < limit or bool(start_error),
                               timeout=SETTLE_TIMEOUT if stopping else None)
-                confirmed = [row_id for r in results for row_id in r.confirmed]
-                doomed += [(m.row_id, "refused", refusal.text[:1000]) for r in results
-                           for m, refusal in r.refused if refusal.action == "dead"]
-                deleted = self._store.delete(confirmed) if confirmed else 0
-                if doomed:
-                    self._store.bury(doomed)
+                deleted, buried = self.settle.remove(results, doomed)
         except (DatabaseUnavailable, BatchConflict):
             # Rolled back: every row stays staged, the ones the broker confirmed
             # too. They are published again, with the same task ids: count them.
             self.metrics.unsettled.inc(sum(len(r.confirmed) for r in results))
             self._publisher.forget_inflight()
             raise
-        if expired:
-            self.metrics.expired.inc(expired)
-            self.metrics.dead_lettered.labels("expired").inc(expired)
-            log.warning("moved %d expired job(s) to dead_jobs (reason 'expired')", expired)
         # Committed: the confirmed rows are gone, everything else stays staged.
         self.inflight = pending
-        self.metrics.deleted.inc(deleted)
-        for reason, count in sorted(collections.Counter(r for _, r, _ in doomed).items()):
-            self.metrics.dead_lettered.labels(reason).inc(count)
-            log.warning("moved %d job(s) to dead_jobs (reason %r)", count, reason)
+        self.settle.committed([i for batch in pending for i in batch.row_ids],
+                              expired, deleted, buried, doomed)
         for result in results:
             self._account(result)
         error = start_error or next((r.error for r in results if r.error), None)
         if error is not None:
             raise error
-        return max(len(rows), expired)
+        return max(len(rows), len(expired.done) + len(expired.left))
 
     def _collect(self, pending: list[Batch], results: list[PublishResult], *,
                  everything: bool, timeout: float | None) -> None:
@@ -192,19 +189,20 @@ class Pipeline:
                 return  # in flight until the alarm clears: see _blocked
             pending.pop(0)
 
-    def _expire_and_fetch(self, exclude: list[int], limit: int) -> tuple[int, list[StagedRow]]:
+    def _expire_and_fetch(self, exclude: list[int],
+                          limit: int) -> tuple[Settled, list[StagedRow]]:
         """Move expired rows to dead_jobs (when due), then fetch the next batch."""
-        expired = 0
+        found, expired = 0, Settled()
         if self._expire_due():
             started = time.perf_counter()
-            expired = self._store.expire(exclude, limit, self.marks.current())
+            found, expired = self._store.expire(exclude, limit, self.marks.current())
             if self._on_expire is not None:
-                self._on_expire(time.perf_counter() - started, expired)
-            self._expired_at = time.monotonic() if expired < limit else 0.0
+                self._on_expire(time.perf_counter() - started, len(expired.done))
+            self._expired_at = time.monotonic() if found < limit else 0.0
         # A full batch expired: more expired rows may remain, which the fetch
         # would have to skip one by one. Move them first (the next cycle follows
         # at once) and fetch once they are gone.
-        if expired >= limit:
+        if found >= limit:
             return expired, []
         self._try_paused()  # a broker round trip: not part of the fetch's time
         return expired, self._fetch(limit, exclude)

@@ -93,7 +93,7 @@ SELECT EXISTS (
 SELECT id, task_id, task_name, args::text, kwargs::text, coalesce(queue, 'celery') AS queue,
        priority, tag, expires_at, not_before IS NULL AS ready,
        queue IS NULL OR (queue = 'celery' AND queue_legacy) AS unrouted,
-       embed::text AS embed
+       embed::text AS embed, xact::text::bigint AS xact
 FROM (
     (SELECT s.* FROM unnest(%(priorities)s::int[], %(mark_xacts)s::bigint[],
                             %(mark_ids)s::bigint[]) AS m(p, wx, wi)
@@ -204,62 +204,74 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint,
               ORDER BY s.expires_at LIMIT 1),
              (SELECT min(expires_at) FROM late))::text;
 
--- name: expire
--- Move rows whose expires_at has passed to dead_jobs, in the batch
--- transaction: this lane's rows only, never the batches in flight. Read from
--- the expiry's low-water mark on, and below it the rows of recent
--- transactions (drain/keyset.py, "Delayed and expiring rows").
-WITH gone AS (
-    DELETE FROM staged_jobs
-    WHERE id IN (
-        (SELECT id FROM staged_jobs
-         WHERE expires_at IS NOT NULL AND expires_at <= now()
-           AND expires_at >= %(expiring_from)s::timestamptz
-           AND id <> ALL(%(exclude)s::bigint[])
-           AND (%(lanes)s::int = 1 OR abs(mod(id, %(lanes)s::int)) = %(lane)s::int)
-         ORDER BY expires_at
-         LIMIT %(limit)s)
-        UNION ALL
-        (SELECT late.id FROM (
-            SELECT id, expires_at FROM staged_jobs
-            WHERE (not_before IS NOT NULL OR expires_at IS NOT NULL)
-              AND %(expiring_from)s::timestamptz > '-infinity'  -- from the start: all above
-              AND xact >= %(timed_xact)s::text::xid8
-              AND expires_at IS NOT NULL AND expires_at <= now()
-              AND expires_at < %(expiring_from)s::timestamptz
-              AND id <> ALL(%(exclude)s::bigint[])
-              AND (%(lanes)s::int = 1 OR abs(mod(id, %(lanes)s::int)) = %(lane)s::int)
-            ORDER BY xact OFFSET 0) AS late
-         ORDER BY late.expires_at
-         LIMIT %(limit)s))
-    RETURNING *
-)
-INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, queue_legacy, priority,
-                       tag, not_before, expires_at, staged_at, embed, reason, detail)
-SELECT id, task_id, task_name, args, kwargs, queue, queue_legacy, priority, tag,
-       not_before, expires_at, staged_at, embed, 'expired', NULL
-FROM gone;
+-- name: expiring
+-- The rows whose expires_at has passed, to move to dead_jobs in the batch
+-- transaction (bury, reason 'expired'): this lane's rows only, never the
+-- batches in flight nor the rows held out after a conflict (both in
+-- exclude). Read from the expiry's low-water mark on, and below it the rows of
+-- recent transactions (drain/keyset.py, "Delayed and expiring rows").
+(SELECT id, xact::text::bigint FROM staged_jobs
+ WHERE expires_at IS NOT NULL AND expires_at <= now()
+   AND expires_at >= %(expiring_from)s::timestamptz
+   AND id <> ALL(%(exclude)s::bigint[])
+   AND (%(lanes)s::int = 1 OR abs(mod(id, %(lanes)s::int)) = %(lane)s::int)
+ ORDER BY expires_at
+ LIMIT %(limit)s)
+UNION ALL
+(SELECT late.id, late.xact::text::bigint FROM (
+    SELECT id, xact, expires_at FROM staged_jobs
+    WHERE (not_before IS NOT NULL OR expires_at IS NOT NULL)
+      AND %(expiring_from)s::timestamptz > '-infinity'  -- from the start: all above
+      AND xact >= %(timed_xact)s::text::xid8
+      AND expires_at IS NOT NULL AND expires_at <= now()
+      AND expires_at < %(expiring_from)s::timestamptz
+      AND id <> ALL(%(exclude)s::bigint[])
+      AND (%(lanes)s::int = 1 OR abs(mod(id, %(lanes)s::int)) = %(lane)s::int)
+    ORDER BY xact OFFSET 0) AS late
+ ORDER BY late.expires_at
+ LIMIT %(limit)s);
+
+-- name: keyed_lock_timeout
+-- Before the statements that remove rows as the drain read them (bury,
+-- delete_confirmed), for the rest of the batch transaction: a row another
+-- transaction holds locked is waited for this long at most, then counts as
+-- changed (drain/conflicts.py). Not FOR UPDATE SKIP LOCKED: that would need
+-- UPDATE privilege on staged_jobs, which drain_runner does not have.
+SELECT set_config('lock_timeout', %(timeout)s, true);
 
 -- name: bury
--- Move rows that can never become a valid message to dead_jobs, with the reason.
+-- Move rows to dead_jobs with their reason (expired, or never a valid
+-- message), each only as the drain read it (same id and xact, which every
+-- UPDATE renews): a row changed since is left staged (drain/conflicts.py).
+-- Returns the ids moved.
 WITH doomed AS (
-    SELECT * FROM unnest(%(ids)s::bigint[], %(reasons)s::text[], %(details)s::text[])
-        AS d(id, reason, detail)
+    SELECT * FROM unnest(%(ids)s::bigint[], %(xacts)s::text[]::xid8[], %(reasons)s::text[],
+                         %(details)s::text[]) AS d(id, xact, reason, detail)
 ), gone AS (
-    DELETE FROM staged_jobs s USING doomed d WHERE s.id = d.id
+    DELETE FROM staged_jobs s USING doomed d WHERE s.id = d.id AND s.xact = d.xact
     RETURNING s.*, d.reason AS dead_reason, d.detail AS dead_detail
+), dead AS (
+    INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, queue_legacy, priority,
+                           tag, not_before, expires_at, staged_at, embed, reason, detail)
+    SELECT id, task_id, task_name, args, kwargs, queue, queue_legacy, priority, tag,
+           not_before, expires_at, staged_at, embed, dead_reason, dead_detail
+    FROM gone
+    RETURNING id
 )
-INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, queue_legacy, priority,
-                       tag, not_before, expires_at, staged_at, embed, reason, detail)
-SELECT id, task_id, task_name, args, kwargs, queue, queue_legacy, priority, tag,
-       not_before, expires_at, staged_at, embed, dead_reason, dead_detail
-FROM gone;
+SELECT id FROM dead;
 
 -- name: alive
 SELECT 1;
 
 -- name: delete_confirmed
-DELETE FROM staged_jobs WHERE id = ANY(%(ids)s);
+-- Delete the rows whose messages the broker confirmed, each only as the drain
+-- read it (same id and xact: every UPDATE renews xact). A row changed since is
+-- left staged and published again as it is now (drain/conflicts.py). Returns
+-- the ids deleted.
+DELETE FROM staged_jobs s
+USING unnest(%(ids)s::bigint[], %(xacts)s::text[]::xid8[]) AS c(id, xact)
+WHERE s.id = c.id AND s.xact = c.xact
+RETURNING s.id;
 
 -- name: backlog_estimate
 -- drain status: what the statistics know about staged_jobs, without reading

@@ -350,9 +350,11 @@ _REFUSALS = re.compile(
 
 
 def rolled_back(exc: psycopg.Error) -> bool:
-    """SQLSTATE class 40: a serialization failure or a deadlock, which ends the
-    transaction but not the session (psycopg 3 does not group them in one class)."""
-    return (exc.sqlstate or "").startswith("40")
+    """SQLSTATE class 40 (a serialization failure, a deadlock) or a lock timeout
+    (55P03), which end the transaction (or the savepoint) but not the session
+    (psycopg 3 does not group them in one class)."""
+    state = exc.sqlstate or ""
+    return state.startswith("40") or state == "55P03"
 
 
 def _server_message(exc: BaseException) -> str:

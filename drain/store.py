@@ -16,7 +16,8 @@ import contextlib
 import datetime as dt
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import psycopg
 import psycopg.errors
@@ -26,6 +27,7 @@ from psycopg.pq import TransactionStatus
 from drain import keyset, sql, wakeup
 from drain.abandoned import lane_class, lane_guard
 from drain.config import Settings
+from drain.conflicts import Settled, isolate
 from drain.errors import (
     BatchConflict,
     DrainError,
@@ -39,6 +41,12 @@ from drain.url_parts import first_line
 from drain.urls import scrub
 
 log = logging.getLogger(__name__)
+
+#: A keyed statement's key: a tuple whose first item is the row's id (Store._keyed).
+K = TypeVar("K", bound=tuple[Any, ...])
+#: How long a keyed statement waits for a row another transaction holds locked
+#: (an UPDATE under way) before that row counts as changed (drain.conflicts).
+KEYED_LOCK_TIMEOUT = "50ms"
 
 class Store(Session):
     """The drain's session: the lock, the batches, the wake flag."""
@@ -196,19 +204,26 @@ class Store(Session):
             found[priority] = None if xact is None else (int(xact), int(row_id))
         return found, int(xmin)  # type: ignore[call-overload]
 
-    def delete(self, ids: list[int]) -> int:
-        return self._execute("delete_confirmed", {"ids": ids}).rowcount
+    def delete(self, rows: Mapping[int, int]) -> Settled:
+        """Delete the confirmed rows, each only as it was read (``{id: xact}``); a
+        row changed since stays staged (drain.conflicts)."""
+        return self._keyed("delete_confirmed", list(rows.items()), lambda keys: {
+            "ids": [row_id for row_id, _ in keys], "xacts": [str(xact) for _, xact in keys]})
 
     def expire(self, exclude: list[int], limit: int,
-               plan: keyset.FetchPlan = keyset.FROM_HEAD) -> int:
-        """Move up to ``limit`` of this lane's expired rows to dead_jobs; returns how many.
-        ``plan`` gives the expiry's low-water mark (drain.keyset)."""
-        return self._execute("expire", {
-            "exclude": exclude, "limit": limit,
-            "expiring_from": plan.expiring_from, "timed_xact": plan.timed_xact,
-            **self._lane,
-        }).rowcount
-
+               plan: keyset.FetchPlan = keyset.FROM_HEAD) -> tuple[int, Settled]:
+        """Move up to ``limit`` of this lane's expired rows to dead_jobs: how many
+        were found, and which moved or stayed (changed under the drain). ``plan``
+        gives the expiry's low-water mark (drain.keyset)."""
+        found = {int(row_id): int(xact) for row_id, xact in self._execute(  # type: ignore[call-overload]
+            "expiring", {
+                "exclude": exclude, "limit": limit,
+                "expiring_from": plan.expiring_from, "timed_xact": plan.timed_xact,
+                **self._lane,
+            }).fetchall()}
+        if not found:
+            return 0, Settled()
+        return len(found), self.bury([(row_id, "expired", None) for row_id in found], found)
     def timed_heads(self, plan: keyset.FetchPlan) -> tuple[str | None, str | None, int]:
         """For :meth:`keyset.Marks.observe_timed`: the smallest staged due time and
         expiry at or above the marks or staged since the last look, and this
@@ -223,12 +238,36 @@ class Store(Session):
         return (None if delayed is None else str(delayed),
                 None if expiring is None else str(expiring), int(xmin))  # type: ignore[call-overload]
 
-    def bury(self, doomed: list[tuple[int, str, str]]) -> int:
-        """Move rows to dead_jobs: ``[(id, reason, detail)]``; returns how many."""
-        ids, reasons, details = (list(column) for column in zip(*doomed, strict=True))
-        return self._execute(
-            "bury", {"ids": ids, "reasons": reasons, "details": details}
-        ).rowcount
+    def bury(self, doomed: Sequence[tuple[int, str, str | None]],
+             versions: Mapping[int, int]) -> Settled:
+        """Move rows to dead_jobs, ``[(id, reason, detail)]``, each only as it was
+        read (``versions``: ``{id: xact}``); a row changed since stays staged."""
+        keys = [(row_id, versions[row_id], reason, detail)
+                for row_id, reason, detail in doomed if row_id in versions]
+        settled = self._keyed("bury", keys, lambda group: {
+            "ids": [k[0] for k in group], "xacts": [str(k[1]) for k in group],
+            "reasons": [k[2] for k in group], "details": [k[3] for k in group]})
+        settled.left += [row_id for row_id, _, _ in doomed if row_id not in versions]
+        return settled
+
+    def _keyed(self, name: str, keys: Sequence[K],
+               params: Callable[[Sequence[K]], dict[str, object]]) -> Settled:
+        """Run the keyed statement ``name`` (it returns the ids it removed) in the
+        batch, so that a row changed after the batch's snapshot, or held locked by
+        another transaction, costs that row only: each attempt in a savepoint,
+        halved on a serialization failure or a lock wait of more than
+        KEYED_LOCK_TIMEOUT (drain.conflicts). Keys are tuples whose first item
+        is the row's id."""
+        conn = self._require()
+        if keys:
+            self._execute("keyed_lock_timeout", {"timeout": KEYED_LOCK_TIMEOUT})
+
+        def attempt(group: Sequence[K]) -> list[int]:
+            with conn.transaction():  # a savepoint: a conflict undoes this statement only
+                rows = self._execute(name, params(group)).fetchall()
+            return [int(row[0]) for row in rows]  # type: ignore[call-overload]
+
+        return isolate(keys, attempt, conflict=_conflict, key_id=_first)
 
     # -- the wake flag (drain.wakeup) -------------------------------------------------
 
@@ -294,6 +333,16 @@ def fetch_params(
 #: `drain migrate` waits this long for each lock on a table in use, then tries again.
 MIGRATE_LOCK_TIMEOUT = 1.0
 MIGRATE_ATTEMPTS = 60
+
+
+def _conflict(exc: Exception) -> bool:
+    """A serialization failure, deadlock or lock timeout: the statement, not the
+    session, failed."""
+    return isinstance(exc, psycopg.Error) and rolled_back(exc)
+
+
+def _first(key: tuple[Any, ...]) -> int:
+    return int(key[0])
 
 
 def migrate(conn: psycopg.Connection[tuple[object, ...]], *,

@@ -254,14 +254,16 @@ def test_a_leader_paused_past_its_session_does_not_publish_its_stale_batch(
     assert standby.drain.published == 21
 
 
-def test_a_row_updated_under_the_batch_rolls_it_back_and_keeps_the_lock(
+@pytest.mark.parametrize("update", ["committed", "still open"])
+def test_a_row_updated_under_the_batch_costs_that_row_only(
     db_url: str, queue: str, start_active_drain: Callable[..., Running],
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, update: str,
 ) -> None:
-    """REPEATABLE READ: deleting a row that someone updated after the batch's
-    snapshot is a serialization failure. The batch rolls back (its rows stay
-    staged, and the confirmed ones count as unsettled duplicates), the session
-    and its lock stay, and the updated row is published as it is now."""
+    """A row updated after the batch read it is left staged and published again as
+    it is now; the rest of the batch is deleted, committed, and the lock kept
+    (drain.conflicts; issue 24, item 5). Committed after the batch's snapshot, the
+    row's DELETE is a serialization failure, undone alone in a savepoint; still
+    open, the row is locked and skipped without waiting for the writer."""
     caplog.set_level(logging.INFO, logger="drain")
     fetched = threading.Event()
     go_on = threading.Event()
@@ -274,15 +276,26 @@ def test_a_row_updated_under_the_batch_rolls_it_back_and_keeps_the_lock(
     running = start_active_drain(db_url, on_fetch=hold_once)
     with psycopg.connect(db_url) as conn:
         drain.stage(conn, "t.updated", ["before"], queue=queue)
-    support.wait_for(fetched.is_set, 30, "the drain to fetch the row")
-    with psycopg.connect(db_url) as conn:
-        conn.execute("""UPDATE staged_jobs SET args = '["after"]'""")
-    go_on.set()
+        other = drain.stage(conn, "t.other", ["other"], queue=queue)
+    support.wait_for(fetched.is_set, 30, "the drain to fetch the rows")
+    with psycopg.connect(db_url) as writer:
+        writer.execute("""UPDATE staged_jobs SET args = '["after"]'
+                          WHERE task_name = 't.updated'""")
+        if update == "committed":
+            writer.commit()
+        go_on.set()
+        # The rest of the batch is deleted while the writer may still be open.
+        support.wait_for(lambda: support.staged_count(db_url) == 1, 30, "the other row's delete")
     support.wait_for(lambda: support.staged_count(db_url) == 0, 30, "the updated row")
-    bodies = [json.loads(body)[0] for _, _, body in support.drain_queue(queue)]
-    assert bodies[-1] == ["after"] and len(bodies) == 2
-    assert running.drain.metrics.registry.get_sample_value("drain_unsettled_rows_total") == 1
+    messages = support.drain_queue(queue)
+    bodies = [json.loads(body)[0] for _, _, body in messages]
+    assert sorted(bodies) == [["after"], ["before"], ["other"]], bodies
+    assert bodies.index(["after"]) > bodies.index(["before"])
+    assert support.task_ids(messages).count(str(other)) == 1
+    metric = running.drain.metrics.registry.get_sample_value
+    assert metric("drain_conflicted_rows_total") == 1
+    assert metric("drain_unsettled_rows_total") == 0
     text = "\n".join(r.getMessage() for r in caplog.records)
-    assert "lock released" not in text
+    assert "lock released" not in text and "rolled back" not in text
     assert text.count("active: took the drain lock") == 1
-    assert "batch rolled back, rows stay staged" in text
+    assert "1 row(s) changed under the drain" in text

@@ -250,7 +250,7 @@ def test_expire_never_scans_rows_that_have_not_expired(db_url: str, plan_cache_m
             "SELECT 't.gone', now() - interval '1 second' FROM generate_series(1, 3)"
         )
         conn.execute("ANALYZE staged_jobs")
-        query = sql.query("expire")
+        query = sql.query("expiring")  # then bury moves them by id (Store.expire)
         with conn.transaction(force_rollback=True):
             if plan_cache_mode == "custom":
                 plan = conn.execute(
@@ -267,12 +267,9 @@ def test_expire_never_scans_rows_that_have_not_expired(db_url: str, plan_cache_m
                     "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "
                     "EXECUTE expire('{}', 1000, 1, 0, '-infinity', 0)"
                 ).fetchone()
-            moved = conn.execute("SELECT count(*) FROM dead_jobs WHERE reason = 'expired'")
-            assert moved.fetchone() == (3,)
-        counts = conn.execute(
-            "SELECT (SELECT count(*) FROM staged_jobs), (SELECT count(*) FROM dead_jobs)"
-        ).fetchone()
-    assert counts == (20003, 0), "the EXPLAIN ANALYZE must have been rolled back"
+        found = conn.execute(query, {"exclude": [], "limit": 1000, "lanes": 1, "lane": 0,
+                                     "expiring_from": "-infinity", "timed_xact": 0})
+        assert len(found.fetchall()) == 3
     assert plan is not None
     _check_plan(plan[0][0]["Plan"], {"staged_jobs_expiring_idx"})
 

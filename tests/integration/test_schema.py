@@ -370,11 +370,14 @@ def test_grants(db_url: str) -> None:
         assert len(rows) == 7
         [app_row] = [r for r in rows if r[1] == staged]
         other = next(r for r in rows if r[1] != staged)
-        cur = runner.execute(sql.query("delete_confirmed"), {"ids": [app_row[0]]})
+        cur = runner.execute(sql.query("delete_confirmed"),
+                             {"ids": [app_row[0]], "xacts": [str(app_row[-1])]})
         assert cur.rowcount == 1
         assert runner.execute("SELECT count(*) FROM staged_jobs").fetchone() == (6,)
+        runner.execute(sql.query("keyed_lock_timeout"), {"timeout": "50ms"})
         cur = runner.execute(sql.query("bury"), {
-            "ids": [other[0]], "reasons": ["invalid"], "details": ["x"]})
+            "ids": [other[0]], "xacts": [str(other[-1])], "reasons": ["invalid"],
+            "details": ["x"]})
         assert cur.rowcount == 1
         assert runner.execute("DELETE FROM staged_jobs").rowcount == 5
         # The wake-up handshake (drain.wakeup).
@@ -546,7 +549,8 @@ def test_a_job_staged_before_the_upgrade_without_a_queue_is_requeued_as_such(
     try:
         with drainer.batch():
             rows = drainer.fetch(10)
-            drainer.bury([(row.id, "unknown_task", "not deployed yet") for row in rows])
+            drainer.bury([(row.id, "unknown_task", "not deployed yet") for row in rows],
+                         {row.id: row.xact for row in rows})
     finally:
         drainer.close()
     with psycopg.connect(db_url) as conn:
@@ -595,7 +599,8 @@ def test_an_expired_job_keeps_its_embed_in_dead_jobs_and_gets_it_back_on_requeue
     drainer.connect()
     try:
         with drainer.batch():
-            assert drainer.expire([], 10) == 1
+            found, moved = drainer.expire([], 10)
+            assert found == 1 and len(moved.done) == 1 and moved.left == []
     finally:
         drainer.close()
     with psycopg.connect(db_url) as conn:

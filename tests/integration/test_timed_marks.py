@@ -119,7 +119,7 @@ def test_under_a_held_snapshot_delayed_and_expiring_reads_step_over_no_dead_rows
         with psycopg.connect(db_url, autocommit=True) as conn:
             conn.execute("SET enable_seqscan = off")
             conn.execute("SET enable_bitmapscan = off")
-            fetch, expire = sql.query("fetch_batch"), sql.query("expire")
+            fetch, expire = sql.query("fetch_batch"), sql.query("expiring")
             marked = support.explain_buffers(conn, fetch, fetch_params(500, plan=plan))
             head = support.explain_buffers(conn, fetch, fetch_params(500, plan=keyset.FROM_HEAD))
             params = {"exclude": [], "limit": 500, "lanes": 1, "lane": 0,

@@ -39,6 +39,7 @@ CONTRACT_COUNTERS = {
     "drain_publish_refused_total",
     "drain_reconnects_total",
     "drain_unsettled_rows_total",
+    "drain_conflicted_rows_total",
     "drain_stale_batches_total",
 }
 CONTRACT_HISTOGRAMS = {
