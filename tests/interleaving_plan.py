@@ -44,6 +44,10 @@ class Row:
     reprioritize: int | None = None
     #: Inserted in a savepoint that is rolled back.
     savepoint_rollback: bool = False
+    #: Conflicting updates after its commit, one transaction each, while the drain
+    #: may hold it in a batch: (pause before, time held open, rolled back). Each
+    #: sets args to [marker, n] (n: its number from 1), see tests/interleaving_support.py.
+    updates: list[tuple[float, float, bool]] = dataclasses.field(default_factory=list)
     # -- filled in by the writer
     id: int | None = None
     state: str = "planned"  # "committed" or "rolled back" once its transaction ended
@@ -52,6 +56,8 @@ class Row:
     ready_at: float | None = None
     #: A delayed row: just before the commit of the update that made it due.
     due_called: float | None = None
+    #: The number of the last of ``updates`` that committed while the row was staged.
+    final_version: int | None = None
 
 
 @dataclasses.dataclass
@@ -98,9 +104,11 @@ class Plan:
 
     def describe(self) -> str:
         kinds = collections.Counter(e.action for e in self.events)
+        hot = [row for row in self.rows if row.updates]
         return (f"lanes={self.lanes} batch_size={self.batch_size} rows={len(self.rows)} "
                 f"txns={len(self.txns)} queues={len(self.queues)} "
-                f"deleted_queue={self.deleted is not None} events={dict(kinds)}")
+                f"deleted_queue={self.deleted is not None} events={dict(kinds)} "
+                f"hot_rows={len(hot)} hot_updates={sum(len(r.updates) for r in hot)}")
 
 
 class _Planner:
@@ -168,7 +176,23 @@ def make_plan(seed: int, index: int) -> Plan:
             txns[-1].after_delete = rng.uniform(0.0, 0.5)
     if rng.random() < 0.25:
         events.append(Event(rng.uniform(0, activity), "reset_identity"))
+    _conflicting_updates(seed, txns, deleted)
     txns.sort(key=lambda t: t.at)
     events.sort(key=lambda e: e.at)
     return Plan(seed, lanes, rng.choice([1, 5, 10, 50]), rng.randrange(1, 2**62), activity,
                 queues, deleted, txns, events)
+
+
+def _conflicting_updates(seed: int, txns: list[Txn], deleted: str | None) -> None:
+    """Give some rows conflicting updates: bursts of short transactions every few
+    milliseconds, some held open a while, some rolled back. Drawn from a generator
+    of their own, so that a seed's other draws are what they were before."""
+    rng = random.Random(f"{seed}/updates")
+    for txn in txns:
+        for row in txn.rows:
+            if row.delayed or row.queue == deleted or rng.random() >= 0.1:
+                continue
+            row.updates = [(rng.uniform(0.0, 0.01) if n else 0.0,  # the first at once
+                            rng.uniform(0.02, 0.3) if rng.random() < 0.15 else 0.0,
+                            rng.random() < 0.15)
+                           for n in range(rng.randint(2, 20))]

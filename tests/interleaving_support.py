@@ -43,6 +43,8 @@ class Consumer:
         self.first: dict[str, float] = {}
         #: marker -> (headers["id"], correlation_id) of every copy received
         self.copies: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)
+        #: marker -> the version (args[1]) of every copy of an updated row received
+        self.versions: dict[str, list[int]] = collections.defaultdict(list)
         #: queue -> messages received from it
         self.per_queue: collections.Counter[str] = collections.Counter()
         self.malformed: list[str] = []
@@ -72,6 +74,8 @@ class Consumer:
         if kwargs != {"m": marker}:
             self.malformed.append(f"{body[:200]!r}: kwargs do not match args")
         self.first.setdefault(marker, now)
+        if len(args) > 1:
+            self.versions[marker].append(int(args[1]))
         headers = props.headers or {}
         self.copies[marker].append((str(headers.get("id")), str(props.correlation_id)))
 
@@ -245,6 +249,8 @@ class Writer:
         self.reused = 0
         #: transactions rolled back by a unique violation (an identity reset's ids)
         self.collisions = 0
+        #: conflicting updates committed while their row was staged
+        self.updated = 0
         #: what went wrong that is the drain's doing, seen by the writers
         self.problems: list[str] = []
 
@@ -275,6 +281,7 @@ class Writer:
                 return
             self._ended(txn.rows, committed=True, called=called, done=time.monotonic())
             self._update(conn, txn, rng)
+            self._conflicting_updates(conn, txn)
         finally:
             conn.close()
             if entered:
@@ -377,6 +384,33 @@ class Writer:
             row_id = EXPLICIT_IDS[row.method](int(row.marker.rsplit(".", 1)[1]))
         conn.execute(_SQL_INSERT.format(id="id, ", overriding="OVERRIDING SYSTEM VALUE ",
                                         value="%s, "), [row_id, *params])
+
+    def _conflicting_updates(self, conn: psycopg.Connection[Any], txn: Txn) -> None:
+        """Update rows the drain may hold in a batch, one short transaction each:
+        args becomes [marker, n]. Each committed update is a new version that must
+        be delivered (the drain removes a row only as it read it)."""
+        for row in txn.rows:
+            if row.state != "committed":
+                continue
+            for n, (pause, hold, rollback) in enumerate(row.updates, 1):
+                time.sleep(pause)  # the workload's pace
+                try:
+                    cur = conn.execute("UPDATE staged_jobs SET args = %s WHERE id = %s "
+                                       "AND args->>0 = %s",
+                                       [json.dumps([row.marker, n]), row.id, row.marker])
+                    time.sleep(hold)  # an update held open while the drain may delete it
+                    if rollback:
+                        conn.rollback()
+                    else:
+                        conn.commit()
+                except psycopg.Error:
+                    conn.rollback()
+                    continue
+                if cur.rowcount != 1:
+                    break  # drained: nothing left to update
+                if not rollback:
+                    row.final_version = n
+                    self.updated += 1
 
     def _update(self, conn: psycopg.Connection[Any], txn: Txn, rng: random.Random) -> None:
         """Make the transaction's delayed rows due, and move some rows to another priority."""

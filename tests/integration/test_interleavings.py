@@ -5,7 +5,10 @@ staging rows with ``drain.stage``, ``drain.stage_many`` and plain SQL, some
 holding their transaction open, some rolling back (whole transactions or one
 savepoint); explicit huge, negative, extreme and reused ids; an identity reset;
 shared task ids; delayed rows made due by an UPDATE, rows moved to another
-priority; expiring rows; a queue deleted on the broker after the drain declared
+priority; conflicting updates (bursts of short transactions updating a staged
+row every few milliseconds while the drain may hold it in a batch, some held
+open, some rolled back: each committed update's version must be delivered);
+expiring rows; a queue deleted on the broker after the drain declared
 it and published to it, with rows to it staged right after (published while it
 is gone: returned, kept staged), declared again later; 1, 2 or 4 lanes; drain
 restarts and standby takeovers. The drains run with the periodic rescan off
@@ -24,7 +27,8 @@ committed row was delivered or dead-lettered and staged_jobs is empty, then
 checks: every committed row delivered or dead-lettered ('expired', expiring
 rows only); nothing delivered before its commit, no rolled-back row ever
 delivered; no row lost (gone from staged_jobs, not in dead_jobs, never
-received); every copy carries its row's task id (headers['id'] and
+received); the last committed update of a row was delivered; every copy
+carries its row's task id (headers['id'] and
 correlation_id); every row of a healthy queue arrived within LATENCY_BOUND of
 becoming due (its commit, or the commit of the UPDATE that made it due).
 
@@ -96,6 +100,10 @@ class Outcome:
     #: confirm (drain_unsettled_rows_total)
     unroutable: int = 0
     unsettled: int = 0
+    #: conflicting updates of staged rows committed, and rows the drains left
+    #: staged because they changed under them (drain_conflicted_rows_total)
+    updated: int = 0
+    conflicted: int = 0
     queue_deleted: bool = False
     worst_latency: float = 0.0
     worst_row: str = ""
@@ -107,7 +115,8 @@ class Outcome:
                 f"{self.dead} dead, {self.duplicates} duplicated, {self.reused_ids} ids reused, "
                 f"{self.collisions} identity collisions, {self.drains_started} drains, queue "
                 f"deleted: {self.queue_deleted}, {self.unroutable} returned, {self.unsettled} "
-                f"unsettled, worst latency {self.worst_latency:.3f}s, "
+                f"unsettled, {self.updated} conflicting updates, {self.conflicted} rows left "
+                f"staged on a conflict, worst latency {self.worst_latency:.3f}s, "
                 f"{self.seconds:.1f}s"
                 + (f", {len(self.failures)} FAILURE(S)" if self.failures else ""))
 
@@ -206,6 +215,11 @@ def _row_failures(row: Row, *, plan: Plan, consumer: Consumer, dead: dict[str, l
                                                 or first < row.due_called):
         failures.append(f"{what}: delivered before the update that made it due committed")
     reasons = dead.get(row.marker, [])
+    versions = consumer.versions.get(row.marker, [])
+    if row.final_version is not None and not reasons and max(versions, default=0) != (
+            row.final_version):
+        failures.append(f"{what}: its last update (version {row.final_version}) was never "
+                        f"delivered (versions delivered: {sorted(set(versions))})")
     if reasons and (row.expiring is None or set(reasons) != {"expired"}):
         failures.append(f"{what}: in dead_jobs with reason(s) {reasons}")
     if first is None and not reasons:
@@ -288,6 +302,8 @@ def run_interleaving(db_url: str, seed: int, index: int) -> Outcome:
         outcome.drains_started = len(fleet.every)
         outcome.unroutable = fleet.total("drain_unroutable_total")
         outcome.unsettled = fleet.total("drain_unsettled_rows_total")
+        outcome.updated = writer.updated
+        outcome.conflicted = fleet.total("drain_conflicted_rows_total")
     finally:
         try:
             fleet.stop_all()
@@ -306,7 +322,10 @@ def _summary(outcomes: list[Outcome], seconds: float) -> dict[str, Any]:
             f"{sum(o.rows for o in outcomes)} rows ({sum(o.committed for o in outcomes)} "
             f"committed, {sum(o.rolled_back for o in outcomes)} rolled back, "
             f"{sum(o.dead for o in outcomes)} dead), "
-            f"{sum(o.duplicates for o in outcomes)} duplicated, worst latency "
+            f"{sum(o.duplicates for o in outcomes)} duplicated, "
+            f"{sum(o.updated for o in outcomes)} conflicting updates "
+            f"({sum(o.conflicted for o in outcomes)} rows left staged on a conflict), "
+            "worst latency "
             f"{worst.worst_latency if worst else 0.0:.3f}s (seed {worst.seed if worst else '-'})"
             f", failures: {', '.join(f'seed {o.seed}' for o in failed) or 'none'}")
     return {"summary": line, "seconds": seconds, "latency_bound": LATENCY_BOUND,
