@@ -23,7 +23,7 @@ import drain
 from drain.config import Settings
 from drain.runner import State
 from drain.urls import broker_parameters
-from tests import support
+from tests import roles, support
 from tests.integration.conftest import Running
 from tests.interleaving_plan import EXPLICIT_IDS, PRIORITIES, TASK, Plan, Row, Txn
 
@@ -148,9 +148,12 @@ class Fleet:
         self.every: list[Running] = []
 
     def start(self, lane: int) -> Running:
+        # The drains run as the drain's least-privileged role; the writers, which also
+        # read back ids, update rows and reset the identity, as the test's owner.
         settings = Settings(
-            database_url=self.db_url, broker_url=support.BROKER_URL, poll_interval=0.2,
-            max_backoff=0.5, rescan_interval=0.0, batch_size=self.plan.batch_size,
+            database_url=roles.url(self.db_url, roles.RUNNER), broker_url=support.BROKER_URL,
+            poll_interval=0.2, max_backoff=0.5, rescan_interval=0.0,
+            batch_size=self.plan.batch_size,
             lock_key=self.plan.lock_key, lanes=self.plan.lanes, lane=lane)
         running = Running(settings)
         self.drains.append((lane, running))

@@ -11,7 +11,8 @@ open, some rolled back: each committed update's version must be delivered);
 expiring rows; a queue deleted on the broker after the drain declared
 it and published to it, with rows to it staged right after (published while it
 is gone: returned, kept staged), declared again later; 1, 2 or 4 lanes; drain
-restarts and standby takeovers. The drains run with the periodic rescan off
+restarts and standby takeovers. The drains log in as the drain's
+least-privileged role (tests/roles.py) and run with the periodic rescan off
 (``rescan_interval=0``), so a row the low-water marks skip never arrives and
 shows as a latency or settle failure.
 
