@@ -29,7 +29,7 @@ from drain.message import Destination, Message
 from drain.publisher import Publisher, PublishResult
 from drain.queue_declare import BindingSpec, ExchangeSpec, QueueSpec
 from drain.urls import broker_parameters
-from tests import support
+from tests import roles, support
 from tests.integration.conftest import Running
 
 BUILDER = message.Builder(origin="gen1@test", reply_to=str(uuid.uuid4()))
@@ -206,8 +206,8 @@ def test_a_drain_without_write_permission_holds_its_rows_and_says_so(
         with psycopg.connect(db_url) as conn:
             for i in range(10):
                 drain.stage(conn, "t.refused", [i], queue=queue)
-        running = Running(Settings(database_url=db_url, broker_url=url, poll_interval=0.2,
-                                   max_backoff=0.5))
+        running = Running(Settings(database_url=roles.url(db_url, roles.RUNNER),
+                                   broker_url=url, poll_interval=0.2, max_backoff=0.5))
         try:
             metrics = running.drain.metrics.registry
             support.wait_for(lambda: metrics.get_sample_value(
@@ -245,8 +245,9 @@ def test_a_nacked_row_is_retried_with_backoff_not_in_a_loop(
         drain.stage(conn, "t.nacked", [0], queue=queue)
         for i in range(5):
             drain.stage(conn, "t.flowing", [i], queue=other_queue)
-    running = Running(Settings(database_url=db_url, broker_url=support.BROKER_URL,
-                               poll_interval=0.2, max_backoff=0.5, queue_declare="passive"))
+    running = Running(Settings(database_url=roles.url(db_url, roles.RUNNER),
+                               broker_url=support.BROKER_URL, poll_interval=0.2, max_backoff=0.5,
+                               queue_declare="passive"))
     try:
         metrics = running.drain.metrics.registry
         support.wait_for(lambda: metrics.get_sample_value("drain_nacked_total"), 30, "a nack")
