@@ -18,6 +18,7 @@ import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 
+import pika
 import pika.exceptions
 import psycopg
 import pytest
@@ -121,6 +122,14 @@ def _rabbitmqctl(*args: str) -> None:
     subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True, timeout=60)
 
 
+def _logs_in(url: str) -> bool:
+    try:
+        pika.BlockingConnection(broker_parameters(url)).close()
+    except pika.exceptions.AMQPError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def _user(write: str) -> Iterator[tuple[str, str]]:
     """A broker user that may configure and read anything, and write where ``write``
@@ -129,7 +138,9 @@ def _user(write: str) -> Iterator[tuple[str, str]]:
     _rabbitmqctl("add_user", user, password)
     try:
         _rabbitmqctl("set_permissions", "-p", "/", user, ".*", write, ".*")
-        yield user, f"amqp://{user}:{password}@127.0.0.1:5672//"
+        url = f"amqp://{user}:{password}@127.0.0.1:5672//"
+        support.wait_for(lambda: _logs_in(url), 30, f"{user} to be let in")
+        yield user, url
     finally:
         subprocess.run(["rabbitmqctl", "-q", "delete_user", user], check=False,
                        capture_output=True, timeout=60)
