@@ -10,7 +10,7 @@ from typing import Any
 import psycopg
 
 import drain
-from tests import support
+from tests import roles, support
 
 _get = support.http_get
 
@@ -175,7 +175,8 @@ def test_no_password_reaches_the_metrics_or_the_status(
     port = support.free_port()
     secret = "s3cr3t-Pa55"
     # Trust authentication: the server ignores the password, the drain must still hide it.
-    with_password = db_url.replace("postgres@", f"postgres:{secret}@")
+    drain_role = roles.url(db_url, roles.RUNNER)
+    with_password = drain_role.replace(f"{roles.RUNNER}@", f"{roles.RUNNER}:{secret}@")
     assert secret in with_password
     _start(spawn, with_password, port, "leader")
     support.wait_for(lambda: _get(port, "/status.json")[1].count('"backlog"') > 0, 30,

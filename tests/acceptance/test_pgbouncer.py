@@ -20,7 +20,7 @@ from psycopg import conninfo
 import drain
 from drain import session_probe, sql
 from drain.errors import DatabaseUnavailable, PoolWithoutSession
-from tests import support
+from tests import roles, support
 from tests.pgbouncer import PgBouncer
 
 #: The drains' --poll-interval here: a job published sooner than this after a
@@ -131,7 +131,7 @@ def test_drain_runs_through_a_session_pool(
     second drain, and is woken by NOTIFY."""
     pool = bouncers("session")
     staged = support.stage_backlog(db_url, queue, 300)
-    env = support.drain_env(pool.url(db_url, password=PASSWORD))
+    env = support.drain_env(pool.url(roles.url(db_url, roles.RUNNER), password=PASSWORD))
     argv = support.drain_argv("run", "--poll-interval", str(POLL), "--batch-size", "100")
     leader = spawn(argv, env, "drain")
     leader.wait_for_output("active: took the drain lock", timeout=30)
@@ -162,7 +162,7 @@ def test_drain_refuses_a_pool_that_does_not_keep_sessions(
     """One line, exit code 2, no retry loop, no password; every row stays staged."""
     pool = bouncers(pool_mode)
     staged = support.stage_backlog(db_url, queue, 5)
-    url = pool.url(db_url, password=PASSWORD)
+    url = pool.url(roles.url(db_url, roles.RUNNER), password=PASSWORD)
     started = time.monotonic()
     result = support.run_cli(db_url, "run", "--poll-interval", "0.5",
                              env=support.drain_env(url), timeout=60)
@@ -173,7 +173,7 @@ def test_drain_refuses_a_pool_that_does_not_keep_sessions(
     errors = [line for line in lines if line.startswith("drain: error: ")]
     assert errors == [lines[-1]], out
     assert errors[0].startswith(
-        f"drain: error: database postgresql://postgres:***@127.0.0.1:{pool.port}/"), out
+        f"drain: error: database postgresql://{roles.RUNNER}:***@127.0.0.1:{pool.port}/"), out
     assert "is reached through a pool that does not keep a session" in errors[0]
     assert "connect it directly or through a session-mode pool" in errors[0]
     assert PASSWORD not in out

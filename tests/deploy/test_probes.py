@@ -15,7 +15,7 @@ import subprocess
 import sys
 from typing import Any
 
-from tests import support
+from tests import roles, support
 from tests.deploy import common
 
 _get = support.http_get
@@ -40,7 +40,8 @@ def _manifest_container() -> dict[str, Any]:
 
 
 def _manifest_env(db_url: str, port: int) -> dict[str, str]:
-    secrets = {"DRAIN_DATABASE_URL": db_url, "DRAIN_BROKER_URL": support.BROKER_URL}
+    secrets = {"DRAIN_DATABASE_URL": roles.url(db_url, roles.RUNNER),
+               "DRAIN_BROKER_URL": support.BROKER_URL}
     env: dict[str, str] = {}
     for item in _manifest_container()["env"]:
         env[item["name"]] = item["value"] if "value" in item else secrets[item["name"]]
