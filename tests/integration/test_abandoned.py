@@ -31,7 +31,7 @@ import pytest
 from drain.config import Settings
 from drain.errors import DatabaseUnavailable
 from drain.store import Store
-from tests import pgbouncer, support
+from tests import pgbouncer, roles, support
 
 
 @pytest.fixture
@@ -58,7 +58,9 @@ def _through(proxies: list[support.TcpProxy], url: str, port: int) -> str:
 
 
 def _store(url: str, **settings: object) -> Store:
-    store = Store(Settings(database_url=url, **settings))  # type: ignore[arg-type]
+    # As the drain's least-privileged role (tests/roles.py): it may end only its own
+    # sessions, as a drain in production.
+    store = Store(Settings(database_url=roles.url(url, roles.RUNNER), **settings))  # type: ignore[arg-type]
     store.connect()
     return store
 
@@ -128,7 +130,9 @@ def test_an_application_handed_the_former_backend_is_not_ended(
 ) -> None:
     store, ghost = _pooled_leader(db_url, bouncer, proxies)
     try:
-        with psycopg.connect(bouncer.url(db_url), autocommit=True) as app:
+        # PgBouncer pools by user: a client of the drain's role gets its backend.
+        with psycopg.connect(bouncer.url(roles.url(db_url, roles.RUNNER)),
+                             autocommit=True) as app:
             pid = app.execute("SELECT pg_backend_pid()").fetchone()
             assert pid == (ghost,), "PgBouncer did not hand the application that backend"
             store.connect()  # through the proxy, flowing again for new connections
