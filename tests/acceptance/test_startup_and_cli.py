@@ -7,7 +7,7 @@ from typing import Any
 import psycopg
 
 import drain
-from tests import support
+from tests import roles, support
 
 
 def _stage_one(db_url: str, queue: str) -> str:
@@ -24,7 +24,7 @@ def test_database_unreachable_at_start_then_appears(
 ) -> None:
     port = support.free_port()
     dbname = db_url.rsplit("/", 1)[1]
-    url = f"postgresql://postgres:hunter2-db@127.0.0.1:{port}/{dbname}"
+    url = f"postgresql://{roles.RUNNER}:hunter2-db@127.0.0.1:{port}/{dbname}"
     proc = spawn(support.drain_argv("run"), support.drain_env(url), "drain")
     proc.wait_for_output("unreachable", timeout=30)
     proc.wait_for_output("retrying with backoff", timeout=30)
@@ -101,7 +101,7 @@ def test_bad_urls_are_usage_errors_without_secrets(db_url: str) -> None:
 
 
 def test_unreachable_database_for_one_shot_commands_exit_3(db_url: str) -> None:
-    url = f"postgresql://postgres:hunter2@127.0.0.1:{support.free_port()}/x"
+    url = f"postgresql://{roles.RUNNER}:hunter2@127.0.0.1:{support.free_port()}/x"
     for args in (("status",), ("migrate",), ("stage", "t.x")):
         result = support.run_cli(url, *args)
         assert result.returncode == 3, (args, result.stderr)

@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 
 import drain
-from tests import support
+from tests import roles, support
 
 
 def _stage_mix(db_url: str) -> None:
@@ -170,12 +170,12 @@ def test_status_watch_redraws_on_a_terminal(db_url: str) -> None:
 
 
 def test_status_watch_keeps_going_while_the_database_is_unreachable(spawn: Any) -> None:
-    url = f"postgresql://postgres:hunter2@127.0.0.1:{support.free_port()}/x"
+    url = f"postgresql://{roles.RUNNER}:hunter2@127.0.0.1:{support.free_port()}/x"
     watch = spawn(support.drain_argv("status", "--watch", "0.2"), support.drain_env(url),
                   "watch-down")
     support.wait_for(lambda: watch.output().count("unreachable") >= 2, 30,
                      "two refreshes reporting the database unreachable")
-    assert "hunter2" not in watch.output() and "postgres:***@" in watch.output()
+    assert "hunter2" not in watch.output() and f"{roles.RUNNER}:***@" in watch.output()
     watch.kill(signal.SIGINT)
     assert watch.wait(10) == 0
 
