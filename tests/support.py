@@ -118,8 +118,9 @@ def task_ids(messages: list[tuple[Any, Any, bytes]]) -> list[str]:
 
 
 def stage_backlog(db_url: str, queue: str, n: int) -> dict[str, int]:
-    """Stage ``n`` jobs in one transaction (COPY); {task id: i}, args [i], kwargs {"i": i}."""
-    with psycopg.connect(db_url) as conn:
+    """Stage ``n`` jobs in one transaction (COPY), as an application does: as the
+    drain_stager role (tests/roles.py); {task id: i}, args [i], kwargs {"i": i}."""
+    with psycopg.connect(roles.url(db_url, roles.STAGER)) as conn:
         ids = drain.stage_many(
             conn, (drain.Job("celery_app.record", [i], {"i": i}, queue=queue) for i in range(n))
         )
