@@ -12,6 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 
+import drain
 from drain import session, store
 from tests import broker_alarm as alarm
 from tests import roles, support
@@ -45,7 +46,8 @@ def template_db() -> Iterator[str]:
 @pytest.fixture(autouse=True)
 def _census_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """The least-privilege census (tests/roles.py) counts in-process drains and
-    their sessions (drain.session.Session: a Drain's, a Store used directly) too."""
+    their sessions (drain.session.Session: a Drain's, a Store used directly), and
+    the staging through ``drain.stage`` / ``drain.stage_many`` too."""
     real = session.Session.__init__
 
     def init(self: session.Session, settings: Any) -> None:
@@ -53,20 +55,31 @@ def _census_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
         real(self, settings)
 
     monkeypatch.setattr(session.Session, "__init__", init)
+    for name in ("stage", "stage_many"):
+        monkeypatch.setattr(drain, name, _counted(getattr(drain, name)))
+
+
+def _counted(stage: Any) -> Any:
+    def counted(conn: Any, *args: Any, **kwargs: Any) -> Any:
+        roles.census_staging(conn)
+        return stage(conn, *args, **kwargs)
+
+    return counted
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """The least-privilege census: how many tests ran a drain or a ``drain`` command
-    as the superuser (tests/roles.py); the list too with DRAIN_ROLE_CENSUS=1."""
-    ran, as_superuser, which = roles.census()
-    if not ran:
-        return
-    terminalreporter.write_line(
-        f"least-privilege census: {as_superuser} of {ran} tests that ran a drain or a "
-        "drain command ran one as the superuser")
-    if os.environ.get("DRAIN_ROLE_CENSUS"):
-        for test, what in sorted(which.items()):
-            terminalreporter.write_line(f"  {test}: {', '.join(what)}")
+    """The least-privilege census: how many tests ran a drain or a ``drain`` command,
+    or staged through drain.stage / stage_many, as the superuser (tests/roles.py);
+    the tests too with DRAIN_ROLE_CENSUS=1."""
+    for kind, (ran, as_superuser, which) in roles.census().items():
+        if not ran:
+            continue
+        terminalreporter.write_line(
+            f"least-privilege census, {kind}: {as_superuser} of {ran} tests did it as "
+            "the superuser")
+        if os.environ.get("DRAIN_ROLE_CENSUS"):
+            for test, what in sorted(which.items()):
+                terminalreporter.write_line(f"  {test}: {', '.join(what)}")
 
 
 @pytest.fixture

@@ -145,9 +145,17 @@ def user_of(db_url: str) -> str:
 
 # -- the census --------------------------------------------------------------------------
 
-#: {test node id: {(what it ran, as the superuser?)}}, filled while tests run:
-#: every drain (in-process or ``drain run``) and ``drain`` command a test starts.
+#: {test node id: {(what it ran, as the superuser?)}}, filled while tests run: every
+#: drain (in-process or ``drain run``) and ``drain`` command a test starts, and each
+#: ``drain.stage`` / ``drain.stage_many`` call ("app staging").
 RUNS: dict[str, set[tuple[str, bool]]] = {}
+APP_STAGING = "app staging"
+
+
+def _record(what: str, as_superuser: bool) -> None:
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    if test:
+        RUNS.setdefault(test, set()).add((what, as_superuser))
 
 
 def census_note(db_url: str | None, what: str) -> None:
@@ -155,16 +163,29 @@ def census_note(db_url: str | None, what: str) -> None:
     an in-process drain...) on ``db_url``, and whether as the superuser. The
     owner's commands (``drain migrate``...) are left out: the superuser owns the
     test tables."""
-    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
-    if COMMAND_ROLES.get(what.removeprefix("drain ")) == ADMIN:
+    if COMMAND_ROLES.get(what.removeprefix("drain ")) == ADMIN or not db_url:
         return
-    if test and db_url:
-        RUNS.setdefault(test, set()).add((what, user_of(db_url) == _admin_user()))
+    _record(what, user_of(db_url) == _admin_user())
 
 
-def census() -> tuple[int, int, dict[str, list[str]]]:
-    """(tests that ran a drain or a command, those that ran one as the superuser,
-    {such a test: what it ran as the superuser})."""
-    su = {test: sorted(what for what, admin in runs if admin)
-          for test, runs in RUNS.items() if any(admin for _, admin in runs)}
-    return len(RUNS), len(su), su
+def census_staging(conn: object) -> None:
+    """Record that the current test stages jobs on ``conn`` (a psycopg connection or
+    cursor; others are not counted), and whether as the superuser."""
+    info = getattr(getattr(conn, "connection", conn), "info", None)
+    user = getattr(info, "user", None)
+    if isinstance(user, str):
+        _record(APP_STAGING, user == _admin_user())
+
+
+def census() -> dict[str, tuple[int, int, dict[str, list[str]]]]:
+    """For drains and commands, and for app staging: (tests that did it, those that
+    did it as the superuser, {such a test: what it ran as the superuser})."""
+    out = {}
+    for kind, wanted in (("drains and drain commands", lambda w: w != APP_STAGING),
+                         (APP_STAGING, lambda w: w == APP_STAGING)):
+        runs = {t: {(w, su) for w, su in r if wanted(w)} for t, r in RUNS.items()}
+        runs = {t: r for t, r in runs.items() if r}
+        su = {t: sorted(w for w, admin in r if admin) for t, r in runs.items()
+              if any(admin for _, admin in r)}
+        out[kind] = (len(runs), len(su), su)
+    return out
