@@ -29,6 +29,7 @@ import collections
 import json
 import os
 import random
+import re
 import subprocess
 import uuid
 from pathlib import Path
@@ -41,6 +42,23 @@ from tests import firehose, route_shapes, support
 
 #: Seconds one drain run may take for one app's rows (normally 3-5).
 DRAIN_RUN_LIMIT = 60
+
+#: A ``Broadcast`` queue's own name, ``bcast.<uuid>``: a uuid drawn in each process
+#: that builds the app, so the same route names a different queue in each.
+BROADCAST_NAME = re.compile(r"^bcast\.[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}$")
+
+
+def _per_process(routing_key: str) -> str:
+    return "bcast.<uuid>" if BROADCAST_NAME.match(routing_key) else routing_key
+
+
+def _goes_nowhere(published: firehose.Published) -> bool:
+    """apply_async sent it to the default exchange under a Broadcast queue's own
+    name (a route naming a Broadcast queue with a direct exchange): no queue has
+    that name, so the broker drops it, while the drain, which publishes with
+    ``mandatory``, keeps the row staged (docs/celery_app.md: a route to nowhere
+    comes back unroutable). The default exchange can have no alternate exchange."""
+    return published[0] == "" and all(BROADCAST_NAME.match(k) for k in published[1])
 
 
 def _stage(db_url: str, spec: dict[str, Any], restart: int) -> dict[str, dict[str, Any]]:
@@ -100,8 +118,9 @@ def _traced(tap: firehose.Tap, keep: set[str], wait: set[str],
 def differences(ours: firehose.Published, theirs: firehose.Published) -> list[str]:
     """What differs between two publishes, apart from what names the sending process."""
     found = []
-    for what, a, b in zip(("exchange", "routing keys", "body"), (ours[0], ours[1], ours[3]),
-                          (theirs[0], theirs[1], theirs[3]), strict=True):
+    keys = [_per_process(k) for k in ours[1]], [_per_process(k) for k in theirs[1]]
+    for what, a, b in zip(("exchange", "routing keys", "body"), (ours[0], keys[0], ours[3]),
+                          (theirs[0], keys[1], theirs[3]), strict=True):
         if a != b:
             found.append(f"{what}: {a!r} != {b!r}")
     p1, p2 = dict(ours[2]), dict(theirs[2])
@@ -154,7 +173,8 @@ def _one_app(spec: dict[str, Any], db_url: str, tmp_path: Path, vhosts: tuple[st
         dead = conn.execute("SELECT task_id::text, reason, detail FROM dead_jobs").fetchall()
         conn.execute("DELETE FROM staged_jobs")
         conn.execute("DELETE FROM dead_jobs")
-    problems += [f"{_describe(staged[t])}: left staged" for (t,) in left]
+    problems += [f"{_describe(staged[t])}: left staged" for (t,) in left
+                 if t not in theirs or not _goes_nowhere(theirs[t])]
     problems += [f"{_describe(staged[t])}: dead-lettered {r}: {d}" for t, r, d in dead
                  if t in known or r != "unknown_task"]
     problems += [f"{_describe(staged[t])}: not dead-lettered 'unknown_task'"
