@@ -16,8 +16,10 @@ Three ways a row can have changed, all costing that row only:
 
 * updated (or deleted) and committed before the statement's snapshot: the
   ``xact`` no longer matches, the statement skips it;
-* updated by a transaction still open: the row is locked, the statement skips
-  it (``FOR UPDATE SKIP LOCKED``) rather than waiting;
+* updated by a transaction still open: the row is locked; the statement waits
+  for it at most ``KEYED_LOCK_TIMEOUT`` (50 ms, drain.store), then the lock
+  timeout (SQLSTATE 55P03) counts as a conflict, as below (``FOR UPDATE SKIP
+  LOCKED`` would need UPDATE on staged_jobs, which drain_runner has not);
 * updated and committed after the batch's REPEATABLE READ snapshot: Postgres
   refuses the statement ("could not serialize access due to concurrent
   update", SQLSTATE 40001). :func:`isolate` runs each keyed statement in a
