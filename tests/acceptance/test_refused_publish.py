@@ -63,7 +63,6 @@ def test_a_refused_publish_costs_its_row_not_the_batch(
     # Rows published after the refused one on its channel were dropped by the
     # broker and are published once; rows before it whose confirms the close cut
     # off are published again: twice at most, same task id.
-    print([copies.get(t, 0) for t in ids + later])
     assert all(copies[task_id] == 1 for task_id in ids[34:] + later)
     assert max(copies.values()) <= 2
 
