@@ -48,6 +48,7 @@ K = TypeVar("K", bound=tuple[Any, ...])
 #: (an UPDATE under way) before that row counts as changed (drain.conflicts).
 KEYED_LOCK_TIMEOUT = "50ms"
 
+
 class Store(Session):
     """The drain's session: the lock, the batches, the wake flag."""
 
@@ -61,6 +62,8 @@ class Store(Session):
         self._joined = False
         #: Connected to a hot standby: no LISTEN, no lock until it is promoted.
         self.in_recovery = False
+        #: This batch's transaction has its KEYED_LOCK_TIMEOUT (:meth:`_keyed`).
+        self._keyed_lock_timeout_set = False
 
     def _prepare(self, conn: psycopg.Connection[tuple[object, ...]]) -> None:
         """Check the schema and LISTEN (SchemaMissing when it is not there)."""
@@ -151,6 +154,7 @@ class Store(Session):
         # Rows whose NOTIFY already arrived are visible to this batch's snapshot:
         # forget those notifications, or each would cost an empty cycle later.
         self._notified(conn)
+        self._keyed_lock_timeout_set = False  # SET LOCAL: once per batch (_keyed)
         try:
             self.asked_at = time.monotonic()  # BEGIN
             with conn.transaction():
@@ -224,6 +228,7 @@ class Store(Session):
         if not found:
             return 0, Settled()
         return len(found), self.bury([(row_id, "expired", None) for row_id in found], found)
+
     def timed_heads(self, plan: keyset.FetchPlan) -> tuple[str | None, str | None, int]:
         """For :meth:`keyset.Marks.observe_timed`: the smallest staged due time and
         expiry at or above the marks or staged since the last look, and this
@@ -259,8 +264,11 @@ class Store(Session):
         KEYED_LOCK_TIMEOUT (drain.conflicts). Keys are tuples whose first item
         is the row's id."""
         conn = self._require()
-        if keys:
+        if keys and not self._keyed_lock_timeout_set:
+            # For the rest of the batch's transaction: one round trip per batch,
+            # not one per delete, bury and expiry.
             self._execute("keyed_lock_timeout", {"timeout": KEYED_LOCK_TIMEOUT})
+            self._keyed_lock_timeout_set = True
 
         def attempt(group: Sequence[K]) -> list[int]:
             with conn.transaction():  # a savepoint: a conflict undoes this statement only
