@@ -311,35 +311,24 @@ CREATE TABLE IF NOT EXISTS drain_schema_state (
 DO $$
 DECLARE
     mark bigint;
+    t text;
 BEGIN
-    IF NOT EXISTS (SELECT FROM pg_attribute
-                   WHERE attrelid = 'staged_jobs'::regclass AND attname = 'queue_legacy'
-                     AND NOT attisdropped) THEN
+    SELECT value INTO mark FROM drain_schema_state WHERE key = 'queue_given_from_id';
+    -- staged_jobs first, then dead_jobs: the order every migrate locks them in.
+    FOREACH t IN ARRAY ARRAY['staged_jobs', 'dead_jobs'] LOOP
+        CONTINUE WHEN EXISTS (SELECT FROM pg_attribute
+                              WHERE attrelid = t::regclass AND attname = 'queue_legacy'
+                                AND NOT attisdropped);
         IF EXISTS (SELECT FROM pg_attribute
-                   WHERE attrelid = 'staged_jobs'::regclass AND attname = 'queue'
-                     AND attnotnull) THEN
-            ALTER TABLE staged_jobs ADD COLUMN queue_legacy boolean NOT NULL DEFAULT true;
-            ALTER TABLE staged_jobs ALTER COLUMN queue_legacy SET DEFAULT false;
+                   WHERE attrelid = t::regclass AND attname = 'queue' AND attnotnull) THEN
+            EXECUTE format('ALTER TABLE %I ADD COLUMN queue_legacy boolean NOT NULL DEFAULT true', t);
+            EXECUTE format('ALTER TABLE %I ALTER COLUMN queue_legacy SET DEFAULT false', t);
         ELSE
-            ALTER TABLE staged_jobs ADD COLUMN queue_legacy boolean NOT NULL DEFAULT false;
-            SELECT value INTO mark FROM drain_schema_state WHERE key = 'queue_given_from_id';
-            UPDATE staged_jobs SET queue_legacy = true WHERE queue = 'celery' AND id < mark;
+            EXECUTE format('ALTER TABLE %I ADD COLUMN queue_legacy boolean NOT NULL DEFAULT false', t);
+            EXECUTE format('UPDATE %I SET queue_legacy = true WHERE queue = ''celery'' AND id < $1', t)
+                USING mark;
         END IF;
-    END IF;
-    IF NOT EXISTS (SELECT FROM pg_attribute
-                   WHERE attrelid = 'dead_jobs'::regclass AND attname = 'queue_legacy'
-                     AND NOT attisdropped) THEN
-        IF EXISTS (SELECT FROM pg_attribute
-                   WHERE attrelid = 'dead_jobs'::regclass AND attname = 'queue'
-                     AND attnotnull) THEN
-            ALTER TABLE dead_jobs ADD COLUMN queue_legacy boolean NOT NULL DEFAULT true;
-            ALTER TABLE dead_jobs ALTER COLUMN queue_legacy SET DEFAULT false;
-        ELSE
-            ALTER TABLE dead_jobs ADD COLUMN queue_legacy boolean NOT NULL DEFAULT false;
-            SELECT value INTO mark FROM drain_schema_state WHERE key = 'queue_given_from_id';
-            UPDATE dead_jobs SET queue_legacy = true WHERE queue = 'celery' AND id < mark;
-        END IF;
-    END IF;
+    END LOOP;
     IF EXISTS (SELECT FROM pg_attribute
                WHERE attrelid = 'staged_jobs'::regclass AND attname = 'queue'
                  AND attnotnull) THEN
