@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 
-from drain import keyset, message
+from drain import keyset, message, unsendable
 from drain.config import Settings
 from drain.conflicts import Settled
 from drain.errors import (
@@ -250,7 +250,9 @@ class Pipeline:
 
         With an app, each row goes to the queue the app routes it to; a refused
         queue pauses the staged queues of the rows routed to it (the unit the
-        fetch leaves out)."""
+        fetch leaves out). A row the broker could never accept is not even routed
+        (drain.unsendable)."""
+        rows = unsendable.screen(rows, doomed, time.time())
         destinations = self._route(rows, doomed) if self.router is not None else {}
         # Each row with the queue it goes to, worked out once.
         targets = ([(row, destinations[row.id].queue) for row in rows if row.id in destinations]

@@ -24,7 +24,7 @@ import psycopg.errors
 from psycopg import conninfo
 from psycopg.pq import TransactionStatus
 
-from drain import abandoned, failover, sql
+from drain import abandoned, failover, sql, timestamps
 from drain.config import Settings
 from drain.errors import (
     DatabaseRefused,
@@ -140,6 +140,7 @@ class Session:
                 **client,
             )
             conn = psycopg.connect(dsn, autocommit=True)
+            timestamps.register(conn)  # a row's 'infinity' must not fail the batch
         except psycopg.Error as exc:
             if _REFUSALS.search(str(exc)):
                 raise DatabaseRefused(
@@ -368,7 +369,7 @@ def connect_plain(
 ) -> psycopg.Connection[tuple[object, ...]]:
     """A short-lived connection for operator commands (migrate, status, stage)."""
     try:
-        return psycopg.connect(
+        conn = psycopg.connect(
             settings.database_url, connect_timeout=5, application_name=application_name
         )
     except psycopg.Error as exc:
@@ -376,3 +377,5 @@ def connect_plain(
             f"database {mask_database_url(settings.database_url)} unreachable: "
             f"{scrub(first_line(exc), settings.secrets())}"
         ) from None
+    timestamps.register(conn)  # a row's 'infinity' is shown, not a crash
+    return conn
