@@ -288,11 +288,16 @@ WHERE c.oid = 'staged_jobs'::regclass;
 -- drain status, exact: the backlog grouped (the biggest groups first), with
 -- the totals over every group. A group's age is that of its oldest row that
 -- is due: a ready row waits from staged_at, a delayed one from not_before
--- (NULL: every row of the group is delayed into the future).
+-- (NULL: every row of the group is delayed into the future). Times Postgres
+-- holds and an interval cannot ('infinity', BC, a year past 9999, staged by
+-- plain SQL) count as years 1 and 9999 here and in backlog_oldest: an age,
+-- never an error that stops every sample.
 SELECT queue, tag, task_name, count(*),
        count(*) FILTER (WHERE not_before > now()),
-       EXTRACT(EPOCH FROM now() - min(CASE WHEN not_before IS NULL THEN staged_at
-                                          WHEN not_before <= now() THEN not_before END))::float8,
+       EXTRACT(EPOCH FROM now() - least(greatest(
+           min(CASE WHEN not_before IS NULL THEN staged_at
+                    WHEN not_before <= now() THEN not_before END),
+           '0001-01-01 00:00:00+00'), '9999-12-31 00:00:00+00'))::float8,
        sum(count(*)) OVER ()::bigint,
        sum(count(*) FILTER (WHERE not_before > now())) OVER ()::bigint,
        count(*) OVER ()
@@ -307,8 +312,10 @@ LIMIT 50;
 -- are the oldest sampled row's: a lower bound.
 SELECT queue, tag, task_name, count(*),
        count(*) FILTER (WHERE not_before > now()),
-       EXTRACT(EPOCH FROM now() - min(CASE WHEN not_before IS NULL THEN staged_at
-                                          WHEN not_before <= now() THEN not_before END))::float8,
+       EXTRACT(EPOCH FROM now() - least(greatest(
+           min(CASE WHEN not_before IS NULL THEN staged_at
+                    WHEN not_before <= now() THEN not_before END),
+           '0001-01-01 00:00:00+00'), '9999-12-31 00:00:00+00'))::float8,
        sum(count(*)) OVER ()::bigint,
        sum(count(*) FILTER (WHERE not_before > now())) OVER ()::bigint,
        count(*) OVER ()
@@ -338,8 +345,12 @@ WITH RECURSIVE heads AS (
         ORDER BY s.priority DESC, s.xact, s.id
         LIMIT 1) AS n
 )
-SELECT (SELECT EXTRACT(EPOCH FROM now() - min(staged_at))::float8 FROM heads),
-       (SELECT EXTRACT(EPOCH FROM now() - not_before)::float8 FROM staged_jobs
+SELECT (SELECT EXTRACT(EPOCH FROM now() - least(greatest(
+                   min(staged_at), '0001-01-01 00:00:00+00'), '9999-12-31 00:00:00+00'))::float8
+        FROM heads),
+       (SELECT EXTRACT(EPOCH FROM now() - least(greatest(
+                   not_before, '0001-01-01 00:00:00+00'), '9999-12-31 00:00:00+00'))::float8
+        FROM staged_jobs
         WHERE not_before IS NOT NULL
         ORDER BY not_before, id
         LIMIT 1);
