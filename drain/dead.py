@@ -144,15 +144,27 @@ def requeue(
 def no_time_to_live(conn: psycopg.Connection[Any], filters: Filters) -> int:
     """How many matching dead jobs expired at or before their start (due time, or
     staging time): requeued with their own time to live, they would expire at once."""
+    return _count(conn, filters, "expires_at <= coalesce(not_before, staged_at)")
+
+
+def infinite_time_to_live(conn: psycopg.Connection[Any], filters: Filters) -> int:
+    """How many matching dead jobs have an expiry or a start without a time to live
+    to give again: 'infinity', '-infinity' (staged by plain SQL; an interval holds
+    neither)."""
+    return _count(conn, filters, "expires_at IS NOT NULL AND NOT (isfinite(expires_at) "
+                                 "AND isfinite(coalesce(not_before, staged_at)))")
+
+
+def _count(conn: psycopg.Connection[Any], filters: Filters, condition: str) -> int:
     where, params = filters.where()
-    row = conn.execute(sql.SQL(
-        "SELECT count(*) FROM dead_jobs WHERE {} "
-        "AND expires_at <= coalesce(not_before, staged_at)").format(where), params).fetchone()
+    row = conn.execute(sql.SQL("SELECT count(*) FROM dead_jobs WHERE {} AND {}").format(
+        where, sql.SQL(condition)), params).fetchone()
     return int(row[0]) if row else 0
 
 
 def refuse_without_time_to_live(conn: psycopg.Connection[Any], filters: Filters) -> None:
-    """StagingError when :func:`no_time_to_live` finds any."""
+    """StagingError when :func:`no_time_to_live` or :func:`infinite_time_to_live`
+    finds any."""
     stuck = no_time_to_live(conn, filters)
     if stuck:
         raise StagingError(
@@ -160,6 +172,13 @@ def refuse_without_time_to_live(conn: psycopg.Connection[Any], filters: Filters)
             "with their own time to live they would expire at once. Nothing was requeued; "
             "give them a fresh expiry with --expires-in DURATION, or leave them out "
             "(--task, --tag, --reason ...)")
+    endless = infinite_time_to_live(conn, filters)
+    if endless:
+        raise StagingError(
+            f"{endless} matching dead job(s) have an infinite expiry or start time "
+            "('infinity', '-infinity'): they have no time to live to give again. Nothing "
+            "was requeued; give them a fresh expiry with --expires-in DURATION, or leave "
+            "them out (--task, --tag, --reason ...)")
 
 
 def purge(conn: psycopg.Connection[Any], filters: Filters) -> int:
