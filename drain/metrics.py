@@ -80,6 +80,11 @@ class Metrics:
             "drain_publish_refused",
             "Publishes the broker refused by closing the channel, by reply code (404 no "
             "exchange, 406, 403...): dead-lettered ('refused') or held.", ("code",))
+        self.declare_refused = counter(
+            "drain_declare_refused",
+            "Queue declarations the broker refused, by reply code (406: the queue exists "
+            "with other arguments; 403: an amq.* name, or no configure permission): the "
+            "rows routed there stay staged, their queue paused.", ("code",))
         self.unsettled = counter(
             "drain_unsettled_rows", "Rows whose messages the broker confirmed but whose "
             "delete was rolled back (session lost, a conflicting change): they are published "

@@ -28,6 +28,7 @@ from drain.errors import (
     DatabaseUnavailable,
     QueueDeclareRefused,
 )
+from drain.holds import Holds
 from drain.message import Destination, StagedRow
 from drain.metrics import Metrics
 from drain.publisher import Batch, Publisher, PublishResult
@@ -83,11 +84,10 @@ class Pipeline:
         #: Batches published and not yet settled, oldest first (at most
         #: ``settings.pipeline - 1`` between cycles).
         self.inflight: list[Batch] = []
-        #: queue -> (paused until (monotonic), times paused, last reason logged)
-        self.paused: dict[str, tuple[float, int, str]] = {}
-        #: queue -> consecutive pauses for nacks and refusals (drain.refusal), reset
-        #: by a confirm without either.
-        self._held: dict[str, int] = {}
+        #: The staged queues left out of the fetch for a while, and why (drain.holds).
+        self.holds = Holds()
+        #: Rows published and not yet accounted for -> the queue they went to.
+        self._queue_of: dict[int, str] = {}
         #: Rows the broker confirmed, this process's lifetime.
         self.published = 0
         #: Removes rows only as they were read; holds out the ones that keep changing.
@@ -100,6 +100,7 @@ class Pipeline:
         """Drop the batches in flight: their rows stay staged, published again later."""
         self.inflight = []
         self.settle.forget()
+        self._queue_of = {}
 
     def cycle(self, *, stopping: bool = False) -> int:
         """One transaction: publish a new batch, settle the oldest one in flight.
@@ -128,7 +129,7 @@ class Pipeline:
         # Left out of the fetch and the expiry: the rows in flight, and the rows
         # held out after they changed under the drain (drain.conflicts).
         exclude = [row_id for batch in pending for row_id in batch.row_ids]
-        exclude += self.settle.held()
+        exclude += self.settle.held() + self.holds.held_rows()
         try:
             # The marks move only once the batch committed (drain.keyset, "Only what
             # committed moves a mark"): a rolled-back batch's expired rows come back.
@@ -224,7 +225,7 @@ class Pipeline:
         """Fetch the next batch and move the low-water marks (drain.keyset)."""
         started = time.perf_counter()
         marks = self.marks  # with --fetch-strategy head they plan from the head, keep none
-        paused = self._paused_now()
+        paused = self.holds.now_paused()
         marks.paused(paused)
         rows = self._store.fetch(limit, exclude, paused, marks.plan(time.monotonic()))
         now = time.monotonic()
@@ -257,12 +258,17 @@ class Pipeline:
         # Each row with the queue it goes to, worked out once.
         targets = ([(row, destinations[row.id].queue) for row in rows if row.id in destinations]
                    if self.router is not None else [(row, row.queue) for row in rows])
-        refused = self._publisher.declare({queue for _, queue in targets})
+        paused = set(self.holds.now_paused())
+        refused = self._publisher.declare({queue for _, queue in targets} - paused)
         for queue, reason in refused.items():
-            refusal = QueueDeclareRefused(queue, reason, self.settings.queue_declare)
-            for staged in sorted({row.queue for row, target in targets if target == queue}):
-                self._pause(staged, str(refusal))
-        publishable = [(row, queue) for row, queue in targets if queue not in refused]
+            self.holds.pause(queue, self._declare_refused(queue, reason))
+        for row, queue in targets:
+            self.holds.rows.pop(row.id, None)
+            if queue in refused or queue in paused:
+                self.holds.rows[row.id] = queue  # out of the fetch while it is paused
+        publishable = [(row, queue) for row, queue in targets
+                       if queue not in refused and queue not in paused]
+        self._queue_of.update((row.id, queue) for row, queue in publishable)
         if not publishable:
             return None
         self._prove_lock()
@@ -332,11 +338,12 @@ class Pipeline:
                 continue
             yield built
 
-    # -- queues the broker refuses ----------------------------------------------------
+    # -- queues the broker refuses (drain.holds) --------------------------------------
 
-    def _paused_now(self) -> list[str]:
-        now = time.monotonic()
-        return [queue for queue, (until, _, _) in self.paused.items() if until > now]
+    @property
+    def paused(self) -> dict[str, tuple[float, int, str]]:
+        """queue -> (paused until (monotonic), times paused, last reason)."""
+        return self.holds.paused
 
     def _try_paused(self) -> None:
         """Declare again the paused queues whose pause ran out: resume the ones the
@@ -350,8 +357,7 @@ class Pipeline:
             # Staged queues are not the app's queues: a paused one is fetched again
             # once its pause ran out, routed, and declared (or paused for longer).
             return
-        now = time.monotonic()
-        due = {queue for queue, (until, _, _) in self.paused.items() if until <= now}
+        due = self.holds.due()
         if not due:
             return
         try:
@@ -360,75 +366,59 @@ class Pipeline:
             return  # tried again after the alarm
         for queue in sorted(due):
             if queue in refused:
-                refusal = QueueDeclareRefused(queue, refused[queue], self.settings.queue_declare)
-                self._pause(queue, str(refusal))
-        self._resume(due - set(refused))
+                self.holds.pause(queue, self._declare_refused(queue, refused[queue]))
+        self.holds.resume(due - set(refused))
 
-    def _pause(self, queue: str, reason: str, *, times: int = 0) -> None:
-        """Leave ``queue``'s rows staged for a while (doubling up to 30 s, at least as
-        after ``times`` pauses) and say why once."""
-        _, count, last = self.paused.get(queue, (0.0, 0, ""))
-        count = max(count, times)
-        delay = min(2.0**count, 30.0)
-        self.paused[queue] = (time.monotonic() + delay, count + 1, reason)
-        if reason != last:
-            log.warning("%s; retrying queue %r with backoff, up to %gs apart", reason, queue, 30.0)
-
-    def _resume(self, queues: set[str]) -> None:
-        for queue in queues & set(self.paused):
-            del self.paused[queue]
-            log.info("queue %r: publishing again", queue)
+    def _declare_refused(self, queue: str, reason: str) -> str:
+        """Count a refused declare (by the broker's reply code) and say what it means."""
+        code = reason.split(" ", 1)[0]
+        self.metrics.declare_refused.labels(code if code.isdigit() else "other").inc()
+        return str(QueueDeclareRefused(queue, reason, self.settings.queue_declare))
 
     def _refused(self, result: PublishResult) -> set[str]:
         """Count and say what the broker refused (drain.refusal): dead-lettered rows
         went to dead_jobs with the batch; held rows pause their queue. Returns the
         queues paused."""
-        said: set[tuple[str, str]] = set()
         held: dict[str, str] = {}
         for m, refusal in result.refused:
             self.metrics.publish_refused.labels(str(refusal.code)).inc()
             if refusal.action == "hold":
-                held.setdefault(m.pause_key, f"broker refused a publish to exchange "
+                self.holds.rows[m.row_id] = m.declared_queue
+                held.setdefault(m.declared_queue, f"broker refused a publish to exchange "
                                 f"{m.exchange!r}: {refusal.text}; its rows stay staged")
-            elif (refusal.action, refusal.text) not in said:
-                said.add((refusal.action, refusal.text))
-                log.warning("broker refused a publish (%s): %s", refusal.text,
-                            "moved to dead_jobs (reason 'refused')" if refusal.action == "dead"
-                            else "its row stays staged; declaring its queue again")
+            else:
+                self.holds.say(f"{refusal.action} {refusal.text}", (
+                    f"broker refused a publish ({refusal.text}): " + (
+                        "moved to dead_jobs (reason 'refused')" if refusal.action == "dead"
+                        else "its row stays staged; declaring its queue again")))
         for queue, reason in sorted(held.items()):
-            self._hold(queue, reason)
+            self.holds.hold(queue, reason)
         return set(held)
-
-    def _hold(self, queue: str, reason: str) -> None:
-        """Pause ``queue`` for a publish the broker would refuse or nack again at
-        once. A pause ends when the queue can be declared, which says nothing
-        here: the backoff grows until a message to it is confirmed."""
-        times = self._held[queue] = self._held.get(queue, 0) + 1
-        self._pause(queue, reason, times=times - 1)
 
     def _account(self, result: PublishResult) -> None:
         self.published += len(result.confirmed)
         self.metrics.published.inc(len(result.confirmed))
         self.metrics.unroutable.inc(len(result.returned))
         self.metrics.nacked.inc(result.nacked)
-        self._resume(result.confirmed_queues - result.returned_queues)
+        went = {row_id: self._queue_of.pop(row_id, "") for row_id in
+                result.confirmed + result.returned + [m.row_id for m, _ in result.refused]}
+        confirmed = {went[row_id] for row_id in result.confirmed}
+        self.holds.resume(confirmed - result.returned_declared)
         for queue in sorted(result.returned_declared):
             # Unroutable: nothing bound to it (deleted behind our back?). Declare
             # it again next time; meanwhile its rows stay staged.
             self._publisher.forget(queue)
-        for queue in sorted(result.returned_queues):
-            self._pause(queue, f"messages to queue {queue!r} came back unroutable (no queue "
-                               "bound); their rows stay staged")
+            self.holds.pause(queue, f"messages to queue {queue!r} came back unroutable (no "
+                                    "queue bound); their rows stay staged")
+        self.holds.rows.update((row_id, went[row_id]) for row_id in result.returned)
         if result.nacked:
             log.warning("broker nacked %d message(s); their rows stay staged", result.nacked)
         for queue in sorted(result.nacked_queues):
             # Nacked again if published again at once (a full queue with
             # x-overflow reject-publish): with backoff, not in a loop.
-            self._hold(queue, f"the broker nacks messages to queue {queue!r} (full, with "
-                              "x-overflow reject-publish?); their rows stay staged")
-        held = self._refused(result) | result.nacked_queues
-        for queue in result.confirmed_queues - held:
-            self._held.pop(queue, None)
+            self.holds.hold(queue, f"the broker nacks messages to queue {queue!r} (full, "
+                                   "with x-overflow reject-publish?); their rows stay staged")
+        self.holds.confirmed(confirmed - self._refused(result) - result.nacked_queues)
         if self._on_cycle is not None:
             self._on_cycle(len(result.confirmed) + len(result.returned) + result.nacked,
                            len(result.confirmed))
