@@ -5,12 +5,15 @@
   (its workers refuse JSON);
 * :data:`gzip_app`: JSON, ``task_compression='gzip'``;
 * :data:`yaml_app`, :data:`msgpack_app`: those serializers, accepting only them;
+* :data:`unaccepted_app`: ``task_serializer='pickle'`` and Celery's default
+  ``accept_content=['json']``: ``drain run --app`` refuses to start with it;
 * :data:`mixed_app`: JSON, with one task that has its own ``serializer='pickle'``
   and ``compression='bzip2'``, one with its own ``shadow_name``, and the app's
   ``task_repr_maxlevels`` and ``argsrepr_maxsize`` lowered.
 
 Each has the task ``enc.record``, which writes what it was given (the types
-included: ``repr`` of the args and kwargs) to ``encoding_runs`` in the database
+included: ``repr`` of the args and kwargs, cut at 2,000 characters, and the
+size of the args' ``repr``) to ``encoding_runs`` in the database
 ``ENCODING_APP_DATABASE_URL`` names.
 """
 
@@ -31,11 +34,11 @@ def _record(task: Task, args: Any, kwargs: Any) -> None:
         return
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("CREATE TABLE IF NOT EXISTS encoding_runs (task_id text, task_name text, "
-                     "args text, kwargs text, content_type text, shadow text)")
-        info = task.request
-        conn.execute("INSERT INTO encoding_runs VALUES (%s, %s, %s, %s, %s, %s)",
-                     (info.id, task.name, repr(args), repr(kwargs),
-                      getattr(info, "content_type", None), getattr(info, "shadow", None)))
+                     "args text, kwargs text, args_size bigint)")
+        # a 17 MB argument is recorded by its first 2,000 characters and its size
+        text = repr(args)
+        conn.execute("INSERT INTO encoding_runs VALUES (%s, %s, %s, %s, %s)",
+                     (task.request.id, task.name, text[:2000], repr(kwargs)[:2000], len(text)))
 
 
 class Shadowed(Task):  # type: ignore[misc]
@@ -61,6 +64,7 @@ pickle_app = create("pickle", task_serializer="pickle", accept_content=["pickle"
 gzip_app = create("gzip", task_compression="gzip")
 yaml_app = create("yaml", task_serializer="yaml", accept_content=["yaml"])
 msgpack_app = create("msgpack", task_serializer="msgpack", accept_content=["msgpack"])
+unaccepted_app = create("unaccepted", task_serializer="pickle")
 mixed_app = create("mixed", task_repr_maxlevels=1, accept_content=["json", "pickle"])
 mixed_app.amqp.argsrepr_maxsize = 40
 
