@@ -12,11 +12,13 @@ a queue's ``max_priority`` or ``x-max-priority`` argument),
 ``task_create_missing_queue_type`` / ``_exchange_type`` and transient
 (non-durable) queues; and for each row a ``priority`` (none, 0, 1..255 or
 negative) and arguments whose repr the limits cut: long strings, long lists,
-deep nesting, non-ASCII text, and (:data:`KOMBU_TYPES`) the types kombu's JSON
-carries, datetime, date, time, Decimal, UUID and bytes, kept in the spec in
-kombu's own JSON form (``{"__type__": ..., "__value__": ...}``; :func:`values`
-gives the Python values). Dict keys are drawn in the order ``jsonb`` keeps
-them (shorter first), so that a JSON body can be byte-identical.
+deep nesting, non-ASCII text, and the types kombu's JSON carries (datetime,
+date, time, Decimal, UUID and bytes, whatever the serializer: where it cannot
+carry one, apply_async raises), kept in the spec in kombu's own JSON form
+(``{"__type__": ..., "__value__": ...}``; :func:`values` gives the Python
+values; :data:`STAGE_KOMBU_TYPES` says how such rows are staged). Dict keys
+are drawn in the order ``jsonb`` keeps them (shorter first), so that a JSON
+body can be byte-identical.
 
 The last app is always :func:`bullets`: one of each shape issue 25 names.
 """
@@ -35,19 +37,16 @@ from kombu.utils import json as kombu_json
 
 from tests import route_shapes
 
-#: Whether rows carry the types kombu's JSON carries (staged through
-#: ``drain.stage``, which accepts them since issue 25's staging change). They are
-#: drawn either way (a seed keeps its workload); off, they are left out of the rows.
-KOMBU_TYPES = False
+#: How rows holding the types kombu's JSON carries are staged: True, by
+#: ``drain.stage`` with the Python values (it takes them since issue 25's staging
+#: change); False, by SQL, in kombu's JSON form.
+STAGE_KOMBU_TYPES = False
 
 #: msgpack is drawn only where it is importable (kombu needs the package).
 MSGPACK = importlib.util.find_spec("msgpack") is not None
 
 SERIALIZERS = ("json", "json", "pickle", "yaml", "msgpack")
 COMPRESSIONS = ("gzip", "bzip2", "zlib", "lzma")
-#: Serializers that can carry kombu's JSON types (yaml.safe_dump has no UUID or
-#: Decimal, msgpack none of them): ``apply_async`` itself fails on them otherwise.
-TYPED = ("json", "pickle")
 
 
 def serializer(name: str) -> str:
@@ -86,8 +85,11 @@ def _kombu_value(rng: random.Random) -> Any:
     return json.loads(kombu_json.dumps(value))
 
 
-def _extra(rng: random.Random, serializer_name: str) -> tuple[list[Any], dict[str, Any]]:
-    """Arguments added to a row (after its own), and kwargs (keys after ``n``)."""
+def _extra(rng: random.Random) -> tuple[list[Any], dict[str, Any]]:
+    """Arguments added to a row (after its own), and kwargs (keys after ``n``). The
+    types kombu's JSON carries are drawn whatever the serializer: where it cannot
+    carry one (yaml has no UUID, Decimal or time, msgpack no date or time),
+    apply_async raises and the drain must dead-letter the row 'invalid'."""
     roll = rng.random()
     if roll < 0.55:
         return [], {}
@@ -103,9 +105,7 @@ def _extra(rng: random.Random, serializer_name: str) -> tuple[list[Any], dict[st
     if roll < 0.9:
         return ["é€ 😀 ü", 0.5, True, None], {"text": "naïve"}
     kombu = [_kombu_value(rng) for _ in range(rng.randint(1, 3))]
-    if not KOMBU_TYPES or serializer_name not in TYPED:
-        return [], {}
-    return kombu[1:], {"when": kombu[0]}  # staged by drain.stage: no own id (see the test)
+    return kombu[1:], {"when": kombu[0]}
 
 
 def _quorum(spec: dict[str, Any]) -> bool:
@@ -148,8 +148,10 @@ def _settings(rng: random.Random, spec: dict[str, Any], tasks: list[dict[str, An
         settings["task_queue_max_priority"] = rng.choice([5, 10])
     elif roll < 0.4:
         settings["task_create_missing_queue_type"] = "quorum"
-    if rng.random() < 0.15 and "task_default_queue" in settings:
-        # (Without a default queue, the app's default exchange is 'celery', direct.)
+    if rng.random() < 0.15 and {"task_default_queue", "task_default_exchange"} <= set(settings):
+        # Else the app's default exchange is named as a queue made when missing
+        # ('celery' or the default queue) and is direct: apply_async's own
+        # declarations would clash.
         settings["task_create_missing_queue_exchange_type"] = rng.choice(["direct", "topic"])
 
 
@@ -159,7 +161,7 @@ def _queues(rng: random.Random, spec: dict[str, Any]) -> None:
         if queue.get("broadcast"):
             continue
         roll = rng.random()
-        if roll < 0.12:
+        if roll < 0.12 and not _quorum(queue):  # quorum queues are durable
             queue["durable"] = False
         elif roll < 0.24 and not queue.get("arguments") and not queue.get("max_priority"):
             queue["arguments"] = {"x-max-priority": rng.choice([3, 10])}
@@ -181,17 +183,14 @@ def _priority(rng: random.Random) -> int | None:
 
 def dress(rng: random.Random, spec: dict[str, Any]) -> dict[str, Any]:
     """``spec`` (a routing app) with its encoding drawn from ``rng``."""
-    tasks = {t["name"]: t for t in spec["tasks"]}
     _settings(rng, spec, spec["tasks"])
     _queues(rng, spec)
-    app_serializer = spec["settings"].get("task_serializer", "json")
     for row in spec["rows"]:
-        task = tasks.get(row["task"], {"options": {}})
-        args, kwargs = _extra(rng, task["options"].get("serializer", app_serializer))
+        args, kwargs = _extra(rng)
         row["args"] = [*row["args"], *args]
         row["kwargs"] = {**row["kwargs"], **kwargs}
         if typed(row):
-            row["id"] = None  # staged by drain.stage, which takes no id
+            row["id"] = None  # drain.stage may stage it, which takes no id
         priority = _priority(rng)
         if priority is not None and not row.get("unknown"):
             row["priority"] = priority
@@ -203,7 +202,8 @@ def bullets(index: int) -> dict[str, Any]:
     gzip; tasks sent with yaml and bzip2, json and lzma, with a shadow name;
     ``task_repr_maxlevels`` 1 and long arguments; a priority queue and a plain
     one with rows of priority 0, 5, 9 and -2; a transient queue; a missing queue
-    made as a quorum queue; kombu's JSON types (:data:`KOMBU_TYPES`)."""
+    made as a quorum queue; kombu's JSON types, with pickle, json, yaml and
+    msgpack, and with yaml and msgpack where they cannot carry them."""
     name = f"enc{index}"
     prio = {"name": f"prio{index}", "max_priority": 5}
     transient = {"name": f"transient{index}", "durable": False}
@@ -241,13 +241,15 @@ def bullets(index: int) -> dict[str, Any]:
         row("enc.transient", [13]),
         {**row("enc.pickled", [14]), "queue": f"made{index}"},
     ]
-    if KOMBU_TYPES:
-        rows += [row("enc.pickled", [15, *typed[:3]], kwargs={"n": 5, "when": typed[3]}),
-                 row("enc.json", [16, *typed[3:]], kwargs={"n": 6, "when": typed[0]})]
+    rows += [row("enc.pickled", [15, *typed[:3]], kwargs={"n": 5, "when": typed[3]}),
+             row("enc.json", [16, *typed[3:]], kwargs={"n": 6, "when": typed[0]}),
+             row("enc.yaml", [18, typed[0], typed[1], typed[5]]),  # yaml carries these
+             row("enc.yaml", [19], kwargs={"n": 8, "when": typed[3]})]  # a Decimal: invalid
     if MSGPACK:
         tasks.append({"name": "enc.msgpack", "options": {"serializer": "msgpack",
                                                          "compression": "zlib"}})
-        rows.append(row("enc.msgpack", [17, "é"], kwargs={"n": 7}))
+        rows += [row("enc.msgpack", [17, "é", typed[5]], kwargs={"n": 7}),
+                 row("enc.msgpack", [20, typed[4]])]  # a UUID: invalid
     return {
         "name": name,
         "settings": {"task_default_queue": f"default{index}", "task_serializer": "pickle",
