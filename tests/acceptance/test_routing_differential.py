@@ -238,6 +238,8 @@ def known_difference(row: dict[str, Any], difference: str) -> str | None:
 
 def difference_class(problem: str) -> str:
     """What a problem line is about (``app: row (...): what: detail``), for the tally."""
+    if problem.startswith("declared by"):
+        return problem.split(" {", 1)[0]  # "declared by the drain only: queue"
     what = problem.split("): ", 1)[-1] if "): " in problem else problem.split(": ", 1)[-1]
     return what.split(":", 1)[0]
 
