@@ -41,8 +41,9 @@ SIGNING = "auth"
 #: What ``as_task_v2`` sends as the body's third part when nothing is embedded.
 EMPTY_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
-#: kombu's JSON marks the values it carries beyond JSON with this key.
-_MARKER = '"__type__"'
+#: kombu's JSON marks the values it carries beyond JSON with this key (as jsonb
+#: prints it).
+MARKER = '"__type__"'
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -55,10 +56,6 @@ class Encoding:
     content_encoding: str = "utf-8"
     compression: str | None = None
 
-    @property
-    def plain_json(self) -> bool:
-        """The body is Postgres' JSON text as it is (drain.message's fast path)."""
-        return self.serializer == "json"
 
 
 JSON = Encoding()
@@ -67,7 +64,7 @@ JSON = Encoding()
 def decode(text: str) -> Any:
     """A staged JSON value as the worker would get it from kombu's JSON: with the
     types behind kombu's markers (plain ``json.loads`` when there are none)."""
-    if _MARKER in text:
+    if MARKER in text:
         return kombu_json.loads(text)  # type: ignore[no-untyped-call]
     return json.loads(text)
 
