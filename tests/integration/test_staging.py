@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -27,7 +28,9 @@ from kombu.utils.json import loads
 from sqlalchemy.orm import Session
 
 import drain
-from tests import support
+from drain import sql
+from drain.limits import MAX_EXPIRATION_MS
+from tests import roles, support
 
 
 def rows(url: str, where: str = "TRUE") -> list[tuple[Any, ...]]:
@@ -377,6 +380,47 @@ def test_kombus_types_round_trip_through_jsonb(db_url: str, engine: sqlalchemy.E
         assert loads(args_text) == KOMBU_ARGS
         assert [type(v) for v in loads(args_text)] == [type(v) for v in KOMBU_ARGS]
         assert loads(kwargs_text) == kwargs
+
+
+# -- drain_stage() -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("call", "sqlstate", "says"), [
+    ("expires_at => now() + interval '3651 days'", "22023", "more than 3,650 days ahead"),
+    ("expires_at => '2099-01-01'", "22023", "more than 3,650 days ahead"),
+    ("expires_at => 'infinity'", "22008", "expires_at infinity is not a time"),
+    ("expires_at => '-infinity'", "22008", "expires_at -infinity is not a time"),
+    ("not_before => 'infinity'", "22008", "not_before infinity is not a time"),
+    ("not_before => '10000-01-01'", "22008", "not_before 10000-01-01"),
+    ("not_before => '0001-12-31 23:00:00+00 BC'", "22008", "not_before 0001-12-31"),
+], ids=["3651-days", "2099", "infinity", "minus-infinity", "not-before-infinity",
+        "year-10000", "before-year-1"])
+def test_drain_stage_refuses_what_could_never_be_sent(
+    db_url: str, call: str, sqlstate: str, says: str
+) -> None:
+    """As the application's role: the exception fails its statement, so its
+    transaction, as apply_async raising would; nothing is staged."""
+    with psycopg.connect(roles.url(db_url, roles.STAGER)) as conn:
+        with pytest.raises(psycopg.Error, match=re.escape(says)) as raised:
+            conn.execute(f"SELECT drain_stage('t.sql', {call})")
+        assert raised.value.sqlstate == sqlstate
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
+    assert rows(db_url) == []
+
+
+def test_drain_stage_takes_every_time_the_drain_can_send(db_url: str) -> None:
+    with psycopg.connect(roles.url(db_url, roles.STAGER)) as conn:
+        for call in ("expires_at => now() + interval '3649 days'",
+                     "expires_at => '2000-01-01'",  # already expired: dead-lettered
+                     "not_before => '9999-12-31 23:59:59+00'",
+                     "not_before => '0001-01-01 00:00:00+00', expires_at => NULL"):
+            conn.execute(f"SELECT drain_stage('t.sql', {call})")
+    assert len(rows(db_url)) == 4
+
+
+def test_drain_stage_checks_the_limit_drain_limits_names() -> None:
+    """The SQL function's limit is drain.limits's, in seconds."""
+    assert f"interval '{MAX_EXPIRATION_MS // 1000} seconds'" in sql.schema_text()
 
 
 def test_the_stage_command_refuses_an_expiry_beyond_the_brokers_limit(db_url: str) -> None:
