@@ -20,6 +20,15 @@ import drain
 from tests import messages, routing_app, support
 
 
+#: What kombu's JSON serializer carries besides plain JSON.
+KOMBU_VALUES: list[Any] = [
+    uuid.UUID("7d3f0f7e-8f3a-4d51-9a49-1bd9b1b0c2aa"),
+    dt.datetime(2026, 11, 27, 3, 4, 5, 678901, tzinfo=dt.timezone(dt.timedelta(hours=2))),
+    dt.datetime(2026, 11, 27, 3, 4, 5), dt.date(2026, 11, 27), dt.time(3, 4, 5, 6),
+    decimal.Decimal("1.10"), b"utf-8 bytes \xc3\xa9", b"\xff\xfe not utf-8",
+]
+
+
 def _env(db_url: str, suffix: str) -> dict[str, str]:
     return support.drain_env(db_url, ROUTING_APP_SUFFIX=suffix, ROUTING_APP_DATABASE_URL=db_url)
 
@@ -35,6 +44,8 @@ def _canvases(app: Celery, suffix: str) -> dict[str, Any]:
         "chain": (add.s(1, 2) | chain(add.s(3), add.s(4))).set(link_error=on_error.s()),
         "chain-link": (add.s(3, 3) | fail.s()).set(link=add.s(7)),
         "single-chain": chain(add.s(7, 1)),
+        "kombu-types": app.tasks["canvas.types"].s(*KOMBU_VALUES, at=KOMBU_VALUES[1]).set(
+            link=add.s(KOMBU_VALUES[5])),
     }
     for canvas in cases.values():
         if canvas["subtask_type"] == "chain":
@@ -150,15 +161,6 @@ def test_a_celery_worker_runs_chains_and_callbacks_to_their_end(
     assert not [r for r in runs if 100 in r[2]]
     with psycopg.connect(db_url) as conn:
         assert conn.execute("SELECT count(*) FROM staged_jobs").fetchone() == (0,)
-
-
-#: What kombu's JSON serializer carries besides plain JSON.
-KOMBU_VALUES: list[Any] = [
-    uuid.UUID("7d3f0f7e-8f3a-4d51-9a49-1bd9b1b0c2aa"),
-    dt.datetime(2026, 11, 27, 3, 4, 5, 678901, tzinfo=dt.timezone(dt.timedelta(hours=2))),
-    dt.datetime(2026, 11, 27, 3, 4, 5), dt.date(2026, 11, 27), dt.time(3, 4, 5, 6),
-    decimal.Decimal("1.10"), b"utf-8 bytes \xc3\xa9", b"\xff\xfe not utf-8",
-]
 
 
 def test_a_worker_gets_kombus_types_as_from_apply_async_and_runs_starmap(
