@@ -19,7 +19,6 @@ from celery import Celery, chain
 import drain
 from tests import messages, routing_app, support
 
-
 #: What kombu's JSON serializer carries besides plain JSON.
 KOMBU_VALUES: list[Any] = [
     uuid.UUID("7d3f0f7e-8f3a-4d51-9a49-1bd9b1b0c2aa"),
