@@ -226,17 +226,18 @@ class CeleryPropertiesEncoder:
                 b"" if compression is None else self._compression_key + field(compression),
             )
         )
-        if content is None:
-            prefixes = (self._prefix, self._prefix_expiring, self._prefix_unprioritised,
-                        self._prefix_unprioritised_expiring)
-        else:
+        if content is not None:
             prefixes = self._content_prefixes(content)
-        if priority is None:
-            prefix = prefixes[2] if expiration is None else prefixes[3]
-            fixed = b"\x02"
+            if priority is None:
+                prefix = prefixes[2] if expiration is None else prefixes[3]
+            else:
+                prefix = prefixes[0] if expiration is None else prefixes[1]
+        elif priority is None:
+            prefix = (self._prefix_unprioritised if expiration is None
+                      else self._prefix_unprioritised_expiring)
         else:
-            prefix = prefixes[0] if expiration is None else prefixes[1]
-            fixed = bytes((2, priority))
+            prefix = self._prefix if expiration is None else self._prefix_expiring
+        fixed = b"\x02" if priority is None else bytes((2, priority))
         return b"".join(
             (
                 prefix, _pack_I(len(inner)), inner, fixed, shortstr(task_id),

@@ -41,8 +41,9 @@ SIGNING = "auth"
 #: What ``as_task_v2`` sends as the body's third part when nothing is embedded.
 EMPTY_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
-#: kombu's JSON marks the values it carries beyond JSON with this key.
-_MARKER = '"__type__"'
+#: kombu's JSON marks the values it carries beyond JSON with this key (as jsonb
+#: prints it).
+MARKER = '"__type__"'
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -55,10 +56,6 @@ class Encoding:
     content_encoding: str = "utf-8"
     compression: str | None = None
 
-    @property
-    def plain_json(self) -> bool:
-        """The body is Postgres' JSON text as it is (drain.message's fast path)."""
-        return self.serializer == "json"
 
 
 JSON = Encoding()
@@ -67,7 +64,7 @@ JSON = Encoding()
 def decode(text: str) -> Any:
     """A staged JSON value as the worker would get it from kombu's JSON: with the
     types behind kombu's markers (plain ``json.loads`` when there are none)."""
-    if _MARKER in text:
+    if MARKER in text:
         return kombu_json.loads(text)  # type: ignore[no-untyped-call]
     return json.loads(text)
 
@@ -94,11 +91,19 @@ def compress(body: bytes, method: str) -> tuple[bytes, str]:
 def of(app: Any, serializer: Any = None, method: Any = None) -> Encoding:
     """What ``send_task_message`` of ``app`` encodes with, given the routed options'
     ``serializer`` and ``compression`` (a task's own, or a route's): those, else
-    the app's ``task_serializer`` and ``task_compression``."""
+    the app's ``task_serializer`` and ``task_compression``.
+
+    Raises ``ValueError`` for one the app's workers would refuse or kombu lacks
+    (:func:`check_app` refuses the app's and its tasks' at start; a route's is
+    met here: its rows are dead-lettered rather than dropped by the workers).
+    """
     serializer = serializer or app.conf.task_serializer or "json"
     method = method or app.conf.task_compression or None
     if serializer == "json" and method is None:
         return JSON
+    problem = _problem(app, str(serializer), None if method is None else str(method))
+    if problem:
+        raise ValueError(f"the route's {problem}")
     content_type, content_encoding = _content(str(serializer))
     return Encoding(str(serializer), content_type, content_encoding,
                     None if method is None else str(method))
@@ -128,28 +133,37 @@ def check_app(app: Any) -> None:
         uses.setdefault((str(serializer), None if method is None else str(method)),
                         f"task {name}")
     for (serializer, method), task_name in uses.items():
-        where = f"{task_name}'s serializer" if task_name else "task_serializer"
-        if serializer == SIGNING:
-            raise ConfigError(f"the Celery app signs its messages ({where} {SIGNING!r}: "
-                              "app.setup_security()); drain cannot sign them")
+        problem = _problem(app, serializer, method, accepted)
+        if problem:
+            owner = f"{task_name}'s " if task_name else "task_"
+            raise ConfigError(f"the Celery app's {owner}{problem}")
+
+
+def _problem(app: Any, serializer: str, method: str | None,
+             accepted: set[str] | None = None) -> str:
+    """What the app's workers could not take, or drain cannot do, with ``serializer``
+    and compression ``method`` ("serializer 'x' ..."; "": nothing)."""
+    if accepted is None:
+        accepted = serialization.prepare_accept_content(  # type: ignore[no-untyped-call]
+            app.conf.accept_content)
+    if serializer == SIGNING:
+        return (f"serializer {SIGNING!r} signs the messages (app.setup_security()); "
+                "drain cannot sign them")
+    try:
+        content_type, _ = _content(serializer)
+    except SerializerNotInstalled as exc:
+        return f"serializer {serializer!r} is not available to drain: {exc}"
+    except Exception as exc:
+        return (f"serializer {serializer!r} cannot encode a message: "
+                f"{type(exc).__name__}: {exc}")
+    if accepted is not None and content_type not in accepted:
+        return (f"serializer {serializer!r} sends {content_type}, which the app's "
+                f"accept_content {sorted(accepted)!r} does not list: its workers would refuse "
+                "those messages (\"Refusing to deserialize untrusted content\")")
+    if method is not None:
         try:
-            content_type, _ = _content(serializer)
-        except SerializerNotInstalled as exc:
-            raise ConfigError(f"the Celery app's {where} {serializer!r} is not available to "
-                              f"drain: {exc}") from None
-        except Exception as exc:
-            raise ConfigError(f"the Celery app's {where} {serializer!r} cannot encode a "
-                              f"message: {type(exc).__name__}: {exc}") from None
-        if accepted is not None and content_type not in accepted:
-            raise ConfigError(
-                f"the Celery app's {where} {serializer!r} sends {content_type}, "
-                f"which its accept_content {sorted(accepted)!r} does not list: its workers would "
-                "refuse those messages (\"Refusing to deserialize untrusted content\")")
-        if method is not None:
-            try:
-                kombu_compression.get_encoder(method)  # type: ignore[no-untyped-call]
-            except KeyError:
-                known = ", ".join(kombu_compression.encoders())  # type: ignore[no-untyped-call]
-                where = f"{task_name}'s compression" if task_name else "task_compression"
-                raise ConfigError(f"the Celery app's {where} {method!r} is not available to "
-                                  f"drain (kombu has {known})") from None
+            kombu_compression.get_encoder(method)  # type: ignore[no-untyped-call]
+        except KeyError:
+            known = ", ".join(kombu_compression.encoders())  # type: ignore[no-untyped-call]
+            return f"compression {method!r} is not available to drain (kombu has {known})"
+    return ""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 import os
 import re
 import socket
@@ -183,8 +184,11 @@ def build(
     and default priority (a row's own non-zero priority wins, on a priority queue).
     """
     task_id = str(row.task_id)
-    args = encoding.decode(row.args_json)
-    kwargs = encoding.decode(row.kwargs_json)
+    # Plain JSON decodes with json.loads; kombu's type markers with kombu's decoder.
+    args = (json.loads(row.args_json) if encoding.MARKER not in row.args_json
+            else encoding.decode(row.args_json))
+    kwargs = (json.loads(row.kwargs_json) if encoding.MARKER not in row.kwargs_json
+              else encoding.decode(row.kwargs_json))
     limits = _REPR_LIMITS if destination is None else destination.repr_limits
     # Celery sends ``args or ()``: empty args show as "()", as the worker logs them.
     argsrepr = task_repr(args, limits[0], limits[2]) if args else "()"
@@ -235,7 +239,8 @@ def build(
     }
     if row.tag is not None:
         headers[amqp.TAG_HEADER] = row.tag
-    if body_encoding.plain_json:
+    plain_json = body_encoding.serializer == "json"
+    if plain_json:
         embed = _EMBED if row.embed_json is None else ascii_json(row.embed_json)
         body = f"[{ascii_json(row.args_json)}, {ascii_json(row.kwargs_json)}, {embed}]".encode()
     else:
@@ -271,7 +276,7 @@ def build(
                 task=row.task_name, task_id=task_id, argsrepr=argsrepr, kwargsrepr=kwargsrepr,
                 expires=expires, tag=row.tag, priority=priority, expiration=expiration,
                 timelimit=timelimit, ignore_result=ignore_result, shadow=shadow,
-                content=(None if body_encoding.plain_json and compression is None else
+                content=(None if plain_json and compression is None else
                          (body_encoding.content_type, body_encoding.content_encoding)),
                 compression=compression,
             )

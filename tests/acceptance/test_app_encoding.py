@@ -24,10 +24,11 @@ from typing import Any
 
 import psycopg
 import pytest
+from celery import Celery
 from kombu.utils.json import dumps as kombu_dumps
 
 import drain
-from tests import roles, support
+from tests import encoding_app, roles, support
 
 TYPED_ARGS = [dt.datetime(2026, 11, 27, 3, 4, 5, tzinfo=dt.timezone.utc),
               uuid.UUID("12345678-1234-5678-1234-567812345678"), decimal.Decimal("12.50"),
@@ -40,10 +41,11 @@ TYPED_KWARGS_REPR = repr(TYPED_KWARGS)
 LARGE = "x" * 17_000_000
 
 
-def _stage(db_url: str, queue: str, n_plain: int, large: bool) -> list[str]:
+def _stage(db_url: str, queue: str, n_plain: int, large: bool, app: Celery) -> list[str]:
     """Stage ``n_plain`` plain jobs with drain.stage, one with the typed args by SQL
-    (kombu's markers), and the 17 MB one: their task ids."""
+    (kombu's markers), a chain of two steps, and the 17 MB one: their task ids."""
     ids: list[str] = []
+    record = app.tasks["enc.record"]
     with psycopg.connect(roles.url(db_url, roles.STAGER)) as conn:
         for i in range(n_plain):
             ids.append(str(drain.stage(conn, "enc.record", [i, f"é{i}"], {"k": i}, queue=queue)))
@@ -53,6 +55,9 @@ def _stage(db_url: str, queue: str, n_plain: int, large: bool) -> list[str]:
             (kombu_dumps(TYPED_ARGS), kombu_dumps(TYPED_KWARGS), queue)).fetchone()
         assert row is not None
         ids.append(str(row[0]))
+        # the embed (the chain's next step) is serialized with the app's serializer too
+        ids.append(str(drain.stage(conn, record.s("c1").set(queue=queue)
+                                   | record.s("c2").set(queue=queue))))
         if large:
             ids.append(str(drain.stage(conn, "enc.record", [LARGE], queue=queue)))
     return ids
@@ -83,21 +88,23 @@ def test_a_worker_of_the_app_runs_every_job_with_its_types(
                     "-l", "info", "-n", f"{queue}@%h"], env, "worker")
     worker.wait_for_output("ready.", timeout=60)
     large = name == "gzip_app"
-    ids = _stage(db_url, queue, 20, large)
+    ids = _stage(db_url, queue, 20, large, getattr(encoding_app, name))
     spawn(support.drain_argv("run", "--app", spec, "--poll-interval", "0.2"), env, "drain")
     try:
-        runs = support.wait_for(lambda: _runs(db_url, len(ids)), 60,
-                                f"the worker of {name} to run all {len(ids)} jobs")
+        runs = support.wait_for(lambda: _runs(db_url, len(ids) + 1), 60,
+                                f"the worker of {name} to run all {len(ids) + 1} jobs")
     except AssertionError as exc:
         ran = len(_runs(db_url, 0))
         raise AssertionError(f"{exc}: {ran} ran, {support.staged_count(db_url)} still staged, "
                              f"dead: {[reason for reason, _ in _dead(db_url)]}") from None
-    assert sorted(runs) == sorted(ids)
+    assert set(ids) <= set(runs) and len(runs) == len(ids) + 1
     typed = runs[ids[20]]
     assert typed[:2] == (TYPED_REPR, TYPED_KWARGS_REPR), typed
     assert runs[ids[0]][:2] == ("(0, 'é0')", "{'k': 0}")
+    assert runs[ids[21]][0] == "('c1',)"
+    assert "(None, 'c2')" in [args for args, _, _ in runs.values()]  # the chain's next step
     if large:
-        assert runs[ids[21]][2] == len(repr((LARGE,)))
+        assert runs[ids[22]][2] == len(repr((LARGE,)))
     assert _dead(db_url) == []
     assert "Refusing to deserialize" not in worker.output()
 

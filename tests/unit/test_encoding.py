@@ -150,7 +150,7 @@ def test_what_the_yaml_serializer_cannot_encode_is_an_error_per_row() -> None:
 
 @pytest.mark.parametrize(("conf", "says"), [
     ({"task_serializer": "pickle"}, "accept_content ['application/json'] does not list"),
-    ({"task_serializer": "auth"}, "signs its messages"),
+    ({"task_serializer": "auth"}, "'auth' signs the messages"),
     ({"task_serializer": "nope", "accept_content": ["json"]}, "'nope' is not available"),
     ({"task_compression": "snappy"}, "task_compression 'snappy' is not available"),
     ({"accept_content": ["json", "nothing"]}, "No encoder/decoder installed for nothing"),
@@ -172,6 +172,16 @@ def test_a_tasks_serializer_the_workers_refuse_is_refused_at_start() -> None:
 
     with pytest.raises(ConfigError, match=r"task t\.pickled's serializer 'pickle' sends "):
         encoding.check_app(app)
+
+
+def test_a_routes_serializer_the_workers_refuse_costs_its_rows() -> None:
+    """A route's own serializer (it counts where the task has none: a task the app
+    does not register, with --allow-unknown-tasks) is met per row: routing raises,
+    and the pipeline dead-letters the row 'invalid' (its workers would drop it)."""
+    app = Celery("routed_pickle")
+    app.conf.task_routes = {"enc.*": {"queue": "q_enc", "serializer": "pickle"}}
+    with pytest.raises(ValueError, match=r"^the route's serializer 'pickle' sends "):
+        routing.AppRouter(app, allow_unknown=True).destination(_row(unrouted=True))
 
 
 @pytest.mark.parametrize("conf", [
