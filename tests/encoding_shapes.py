@@ -40,7 +40,7 @@ from tests import route_shapes
 #: How rows holding the types kombu's JSON carries are staged: True, by
 #: ``drain.stage`` with the Python values (it takes them since issue 25's staging
 #: change); False, by SQL, in kombu's JSON form.
-STAGE_KOMBU_TYPES = False
+STAGE_KOMBU_TYPES = True
 
 #: msgpack is drawn only where it is importable (kombu needs the package).
 MSGPACK = importlib.util.find_spec("msgpack") is not None

@@ -9,8 +9,7 @@ with the firehose tracer on (tests/firehose.py): by the app's own
 and by ``drain run --app tests.differential_app`` from the staged row (a row
 of a task the app does not register must be dead-lettered 'unknown_task', one
 whose values the app's serializer cannot encode, where apply_async raises,
-'invalid'). Then,
-message for message (by task id), the exchange, the routing keys, the
+'invalid'). Then, message for message (by task id), the exchange, the routing keys, the
 properties (``content_type``, ``content_encoding`` and ``priority`` included),
 the headers (names, order and values, ``compression`` included) and the body
 must be the same; only ``reply_to`` and the ``origin`` header, which name the
@@ -35,6 +34,11 @@ exchanges) are declared by the test in both vhosts beforehand, as the app's
 workers would; what an exchange cannot route goes to a catch-all queue (an
 alternate exchange, by policy), since the drain publishes with ``mandatory``
 and keeps a row staged while its message would go nowhere.
+
+The known differences of docs/celery_app.md that the apps generate are
+counted apart and printed, not failed: an explicit priority 0
+(:data:`KNOWN_DIFFERENCES`) and the declarations made for a row its serializer
+cannot encode (:func:`_apply_async`).
 
 The seed is random unless ``DRAIN_DIFF_SEED`` is set, and printed (replay:
 ``DRAIN_DIFF_SEED=<seed>``); ``DRAIN_DIFF_APPS`` apps are drawn (default 10), and
@@ -101,7 +105,7 @@ def _stage(db_url: str, spec: dict[str, Any], restart: int) -> dict[str, dict[st
                             queue=None if row["legacy"] else row["queue"],
                             priority=row.get("priority", 0))
                 if row["legacy"]:
-                    conn.execute("UPDATE staged_jobs SET queue = 'celery', queue_legacy "
+                    conn.execute("UPDATE staged_jobs SET queue = 'celery', queue_legacy = true "
                                  "WHERE task_id = %s", [task_id])
                 staged[task_id] = row
                 continue
@@ -125,7 +129,9 @@ def _apply_async(spec: dict[str, Any], vhost: str,
     """What the app sends: apply_async, with queue= where the row names one. Returns
     the rows it sends nothing for, with the reason the drain must dead-letter them:
     'unknown_task' (the app has no such task), 'invalid' (apply_async raises
-    EncodeError: the serializer cannot carry a value, yaml a Decimal say)."""
+    EncodeError: the serializer cannot carry a value, yaml a Decimal say; such a row
+    is then sent with JSON, so that this vhost gets the declarations the drain
+    makes for it, a known difference)."""
     app = route_shapes.build_app(spec, firehose.url(vhost))
     unsent: dict[str, str] = {}
     try:
@@ -145,6 +151,13 @@ def _apply_async(spec: dict[str, Any], vhost: str,
                                                        producer=producer, **options)
                 except EncodeError:
                     unsent[task_id] = "invalid"
+                    # Known difference (docs/celery_app.md, "A row its serializer cannot
+                    # encode"): the drain declares the row's queue before it finds the row
+                    # invalid. What apply_async declares for that route, sent with a
+                    # serializer that can carry it (its message is not compared):
+                    app.tasks[row["task"]].apply_async(
+                        args, kwargs, task_id=task_id, producer=producer,
+                        **{**options, "serializer": "json"})
     finally:
         app.close()
     return unsent
@@ -284,6 +297,8 @@ def _one_app(spec: dict[str, Any], db_url: str, tmp_path: Path, vhosts: tuple[st
     problems += [f"{_describe(staged[t])}: not dead-lettered {r!r}"
                  for t, r in unsent.items() if t not in {t for t, _, _ in dead}]
     seen.update(f"dead-lettered {r}" for t, r, _ in dead if unsent.get(t) == r)
+    seen["known: a row its serializer cannot encode"] += sum(
+        1 for t, r, _ in dead if unsent.get(t) == r == "invalid")
     gone = {t for (t,) in left} | {t for t, _, _ in dead}
     ours = _traced(drain_tap, set(staged), known - gone, "the drain's publishes")
     for task_id, row in staged.items():
