@@ -100,6 +100,7 @@ def stage(
     * ``expires`` (seconds from now, or a datetime): not published after then;
       moved to ``dead_jobs`` with reason ``expired`` instead. The message
       carries Celery's ``expires`` too, so a worker will not run it late.
+      At most 3,650 days ahead (drain.limits): RabbitMQ refuses later ones.
 
     ``countdown`` and relative ``expires`` are measured on this process's clock.
 
@@ -110,7 +111,8 @@ def stage(
     rest of the chain as after ``apply_async``; the other arguments must then
     be left out. For a chain, the returned id is its first task's; the last
     task's (what ``chain.apply_async().id`` gives) is that of the chain's
-    ``freeze()``, called before staging. Groups and chords are refused.
+    ``freeze()``, called before staging. Groups, chords and
+    ``task.chunks(...)`` (a group of starmaps) are refused.
     """
     if isinstance(task_name, Mapping):
         if (args, kwargs, queue, task_id, priority, tag, countdown, eta, expires) != (

@@ -9,8 +9,9 @@ of the same app runs every job (tests/encoding_app.py).
   (``--max-message-size``, 16 MiB by default, measured the uncompressed body).
 
 Both get args of the types kombu's JSON carries (datetime, UUID, Decimal, date,
-time, bytes), staged as kombu's JSON writes them (its ``__type__`` markers),
-and the worker must get those types back, as after ``delay``. An app whose
+time, bytes), staged through ``drain.stage`` and by SQL as kombu's JSON writes
+them (its ``__type__`` markers), and the worker must get those types back, as
+after ``delay``. An app whose
 workers would refuse what drain sends makes ``drain run --app`` exit 2 with one
 line, before anything is published.
 """
@@ -43,7 +44,8 @@ LARGE = "x" * 17_000_000
 
 def _stage(db_url: str, queue: str, n_plain: int, large: bool, app: Celery) -> list[str]:
     """Stage ``n_plain`` plain jobs with drain.stage, one with the typed args by SQL
-    (kombu's markers), a chain of two steps, and the 17 MB one: their task ids."""
+    (kombu's markers), a chain of two steps, the typed args through drain.stage, and
+    the 17 MB one: their task ids."""
     ids: list[str] = []
     record = app.tasks["enc.record"]
     with psycopg.connect(roles.url(db_url, roles.STAGER)) as conn:
@@ -58,6 +60,7 @@ def _stage(db_url: str, queue: str, n_plain: int, large: bool, app: Celery) -> l
         # the embed (the chain's next step) is serialized with the app's serializer too
         ids.append(str(drain.stage(conn, record.s("c1").set(queue=queue)
                                    | record.s("c2").set(queue=queue))))
+        ids.append(str(drain.stage(conn, "enc.record", TYPED_ARGS, TYPED_KWARGS, queue=queue)))
         if large:
             ids.append(str(drain.stage(conn, "enc.record", [LARGE], queue=queue)))
     return ids
@@ -98,13 +101,13 @@ def test_a_worker_of_the_app_runs_every_job_with_its_types(
         raise AssertionError(f"{exc}: {ran} ran, {support.staged_count(db_url)} still staged, "
                              f"dead: {[reason for reason, _ in _dead(db_url)]}") from None
     assert set(ids) <= set(runs) and len(runs) == len(ids) + 1
-    typed = runs[ids[20]]
-    assert typed[:2] == (TYPED_REPR, TYPED_KWARGS_REPR), typed
+    for typed in (runs[ids[20]], runs[ids[22]]):  # by SQL, by drain.stage
+        assert typed[:2] == (TYPED_REPR, TYPED_KWARGS_REPR), typed
     assert runs[ids[0]][:2] == ("(0, 'é0')", "{'k': 0}")
     assert runs[ids[21]][0] == "('c1',)"
     assert "(None, 'c2')" in [args for args, _, _ in runs.values()]  # the chain's next step
     if large:
-        assert runs[ids[22]][2] == len(repr((LARGE,)))
+        assert runs[ids[23]][2] == len(repr((LARGE,)))
     assert _dead(db_url) == []
     assert "Refusing to deserialize" not in worker.output()
 
