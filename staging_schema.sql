@@ -213,6 +213,14 @@ CREATE OR REPLACE TRIGGER staged_jobs_notify
 --                      priority => -10, tag => 'backfill.reindex')
 --   FROM annotation WHERE user_id = 42;
 -- (a plain INSERT INTO staged_jobs (...) SELECT ... is as good and a little faster).
+-- It refuses, as drain.stage() does, what could never be sent: an expires_at
+-- more than 3,650 days (315,360,000 s, drain/limits.py) after now(), which
+-- RabbitMQ refuses (SQLSTATE 22023, invalid_parameter_value), and a not_before
+-- or expires_at that is infinite or outside years 1 to 9999, which the drain
+-- cannot read (SQLSTATE 22008, datetime_field_overflow). The exception fails
+-- the caller's statement, and so its transaction, as apply_async raising
+-- would. A plain INSERT is not checked: the drain moves such a row to dead_jobs
+-- ('invalid').
 CREATE OR REPLACE FUNCTION drain_stage(
     task_name  text,
     args       jsonb       DEFAULT '[]',
@@ -224,11 +232,35 @@ CREATE OR REPLACE FUNCTION drain_stage(
     expires_at timestamptz DEFAULT NULL,
     task_id    uuid        DEFAULT gen_random_uuid()
 ) RETURNS uuid
-LANGUAGE sql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE AS $$
+#variable_conflict use_variable
+DECLARE
+    staged uuid;
+BEGIN
+    IF NOT (not_before IS NULL OR not_before BETWEEN '0001-01-01 00:00:00+00'
+                                                 AND '9999-12-31 23:59:59.999999+00') THEN
+        RAISE EXCEPTION 'drain_stage: not_before % is not a time the drain can read', not_before
+            USING ERRCODE = 'datetime_field_overflow',
+                  HINT = 'give a finite time between years 1 and 9999 (UTC), or NULL';
+    END IF;
+    IF NOT (expires_at IS NULL OR expires_at BETWEEN '0001-01-01 00:00:00+00'
+                                                 AND '9999-12-31 23:59:59.999999+00') THEN
+        RAISE EXCEPTION 'drain_stage: expires_at % is not a time the drain can read', expires_at
+            USING ERRCODE = 'datetime_field_overflow',
+                  HINT = 'give a finite time between years 1 and 9999 (UTC), or NULL for never';
+    END IF;
+    IF expires_at > now() + interval '315360000 seconds' THEN
+        RAISE EXCEPTION 'drain_stage: expires_at % is more than 3,650 days ahead', expires_at
+            USING ERRCODE = 'invalid_parameter_value',
+                  DETAIL = 'RabbitMQ refuses a message that expires later (406 PRECONDITION_FAILED).',
+                  HINT = 'leave expires_at NULL for a job that never expires';
+    END IF;
     INSERT INTO staged_jobs (task_id, task_name, args, kwargs, queue, priority, tag,
                              not_before, expires_at)
     VALUES (task_id, task_name, args, kwargs, queue, priority, tag, not_before, expires_at)
-    RETURNING task_id;
+    RETURNING staged_jobs.task_id INTO staged;
+    RETURN staged;
+END
 $$;
 
 -- Jobs that will never be published, with the reason: 'expired' (expires_at

@@ -144,6 +144,8 @@ class CeleryPropertiesEncoder:
         self._c0 = k("lang") + field("py") + k("task")
         self._c1 = k("id")
         self._c2 = k("shadow") + b"V" + k("eta") + b"V" + k("expires")
+        self._c2_shadow = k("shadow")
+        self._c2_after_shadow = k("eta") + b"V" + k("expires")
         self._c2b = (
             k("group") + b"V" + k("group_index") + b"V" + k("retries") + field(0)
             + k("timelimit")
@@ -158,17 +160,33 @@ class CeleryPropertiesEncoder:
             + k("stamps") + field({})
         )
         self._tag_key = k(TAG_HEADER)
+        self._compression_key = k("compression")
+        #: (content type, content encoding) -> the four property prefixes (see below).
+        self._prefixes: dict[tuple[str, str], tuple[bytes, bytes, bytes, bytes]] = {}
         flags = (
             _CONTENT_TYPE | _CONTENT_ENCODING | _HEADERS | _DELIVERY_MODE | _PRIORITY
             | _CORRELATION_ID | _REPLY_TO
         )
-        rest = shortstr("application/json") + shortstr("utf-8")
-        self._prefix = struct.pack(">H", flags) + rest
-        self._prefix_expiring = struct.pack(">H", flags | _EXPIRATION) + rest
-        unprioritised = flags & ~_PRIORITY
-        self._prefix_unprioritised = struct.pack(">H", unprioritised) + rest
-        self._prefix_unprioritised_expiring = struct.pack(">H", unprioritised | _EXPIRATION) + rest
+        self._flags = flags
+        (self._prefix, self._prefix_expiring, self._prefix_unprioritised,
+         self._prefix_unprioritised_expiring) = self._content_prefixes(
+             ("application/json", "utf-8"))
         self._reply_to = shortstr(reply_to)
+
+    def _content_prefixes(self, content: tuple[str, str]) -> tuple[bytes, bytes, bytes, bytes]:
+        """The flags and content type and encoding, for: a priority, a priority and
+        an expiration, neither, an expiration only."""
+        found = self._prefixes.get(content)
+        if found is None:
+            rest = shortstr(content[0]) + shortstr(content[1])
+            flags, unprioritised = self._flags, self._flags & ~_PRIORITY
+            found = self._prefixes[content] = (
+                struct.pack(">H", flags) + rest,
+                struct.pack(">H", flags | _EXPIRATION) + rest,
+                struct.pack(">H", unprioritised) + rest,
+                struct.pack(">H", unprioritised | _EXPIRATION) + rest,
+            )
+        return found
 
     def matches(self, origin: str, reply_to: str) -> bool:
         return origin == self.origin and reply_to == self.reply_to
@@ -186,26 +204,40 @@ class CeleryPropertiesEncoder:
         expiration: str | None = None,
         timelimit: list[Any] | None = None,
         ignore_result: bool | None = None,
+        shadow: str | None = None,
+        content: tuple[str, str] | None = None,
+        compression: str | None = None,
     ) -> bytes:
         """``timelimit`` None is ``[None, None]``; ``priority`` None leaves the
-        priority property out (what ``apply_async`` of a task without one sends)."""
+        priority property out (what ``apply_async`` of a task without one sends);
+        ``content`` (content type, content encoding) None is JSON; ``compression``
+        is the last header, as kombu adds it."""
         task_id_field = field(task_id)
         inner = b"".join(
             (
-                self._c0, field(task), self._c1, task_id_field, self._c2, field(expires),
+                self._c0, field(task), self._c1, task_id_field,
+                self._c2 if shadow is None
+                else self._c2_shadow + field(shadow) + self._c2_after_shadow,
+                field(expires),
                 self._c2b, self._no_timelimit if timelimit is None else field(timelimit),
                 self._c2c, task_id_field, self._c3, field(argsrepr), self._c4,
                 field(kwargsrepr), self._c5, field(ignore_result), self._c5b,
                 b"" if tag is None else self._tag_key + field(tag),
+                b"" if compression is None else self._compression_key + field(compression),
             )
         )
-        if priority is None:
+        if content is not None:
+            prefixes = self._content_prefixes(content)
+            if priority is None:
+                prefix = prefixes[2] if expiration is None else prefixes[3]
+            else:
+                prefix = prefixes[0] if expiration is None else prefixes[1]
+        elif priority is None:
             prefix = (self._prefix_unprioritised if expiration is None
                       else self._prefix_unprioritised_expiring)
-            fixed = b"\x02"
         else:
             prefix = self._prefix if expiration is None else self._prefix_expiring
-            fixed = bytes((2, priority))
+        fixed = b"\x02" if priority is None else bytes((2, priority))
         return b"".join(
             (
                 prefix, _pack_I(len(inner)), inner, fixed, shortstr(task_id),

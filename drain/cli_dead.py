@@ -18,6 +18,7 @@ from typing import Any
 
 from drain import dead, options, session
 from drain.cli_common import Exit, UsageError, add_database, duration, settings_of
+from drain.limits import MAX_EXPIRES
 
 
 def _add_dead_filters(parser: argparse.ArgumentParser, *, older_than_required: bool) -> None:
@@ -61,8 +62,8 @@ def add_dead_parser(sub: Any) -> None:
     )
     _add_dead_filters(q, older_than_required=False)
     q.add_argument("--expires-in", type=duration, metavar="DURATION",
-                   help="expire the requeued jobs this long from now (needed for jobs that "
-                   "expired at or before they were due)")
+                   help="expire the requeued jobs this long from now, at most 3650d (needed "
+                   "for jobs that expired at or before they were due)")
     q.add_argument("--yes", action="store_true", help="do not ask (for scripts)")
     q.set_defaults(func=cmd_dead_requeue)
     q = dead_sub.add_parser(
@@ -140,6 +141,11 @@ def _act_on_dead(
 
 
 def cmd_dead_requeue(args: argparse.Namespace) -> int:
+    if args.expires_in is not None and args.expires_in > MAX_EXPIRES:
+        raise UsageError(
+            f"--expires-in is more than {MAX_EXPIRES.days:,} days: RabbitMQ refuses a message "
+            "that expires later (406 PRECONDITION_FAILED); leave it out to keep each job's "
+            "own time to live")
     return _act_on_dead(
         args, "requeue", lambda conn, f: dead.requeue(conn, f, args.expires_in),
         "requeued {} job(s)",

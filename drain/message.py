@@ -10,6 +10,10 @@ Building is on the drain's hot path, so the body is assembled from the JSON
 text Postgres already has (``args::text``, ``kwargs::text``) instead of being
 decoded and re-encoded; the arguments are decoded once only for ``argsrepr``
 and ``kwargsrepr``, which Celery shows in logs and monitoring tools.
+
+With ``--app`` the app's serializer, compression, repr limits and a task's
+``shadow_name`` count too (drain.encoding): a JSON app keeps the fast path,
+any other serializer encodes the decoded arguments through kombu.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ import re
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from celery.utils.saferepr import saferepr
 
-from drain import amqp
+from drain import amqp, encoding
+from drain.encoding import JSON, Encoding
 
 #: Celery's defaults: ``app.amqp.argsrepr_maxsize`` and ``task_repr_maxlevels``.
 REPR_MAXSIZE = 1024
@@ -79,13 +85,22 @@ class Destination:
     #: The AMQP priority ``apply_async`` sends (the task's, the route's or the
     #: app's default); None: no priority property.
     priority: int | None = None
-    #: The queue's ``x-max-priority`` (0: none): a row's own non-zero priority is
-    #: sent instead of ``priority``, clamped to 0..max_priority.
+    #: The queue's ``x-max-priority`` (0: none). A row's own priority above 0 is
+    #: sent instead of ``priority``, as ``apply_async(priority=...)`` sends it, on
+    #: such a queue or not (RabbitMQ treats more than the maximum as the maximum).
     max_priority: int = 0
     #: The ``timelimit`` header, ``[hard, soft]`` (the task's time limits).
     timelimit: tuple[int | float | None, int | float | None] = (None, None)
     #: The ``ignore_result`` header (the task's own).
     ignore_result: bool | None = None
+    #: The app's (or the task's) serializer and compression (drain.encoding).
+    encoding: Encoding = JSON
+    #: ``argsrepr`` / ``kwargsrepr``: the app's ``amqp.argsrepr_maxsize``,
+    #: ``amqp.kwargsrepr_maxsize`` and ``task_repr_maxlevels``.
+    repr_limits: tuple[int, int, int] = (1024, 1024, 3)
+    #: The task's own ``shadow_name(args, kwargs, options)`` (None: Celery's,
+    #: which gives no shadow).
+    shadow: Callable[[Any, Any, dict[str, Any]], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -169,11 +184,15 @@ def build(
     and default priority (a row's own non-zero priority wins, on a priority queue).
     """
     task_id = str(row.task_id)
-    args = json.loads(row.args_json)
-    kwargs = json.loads(row.kwargs_json)
+    # Plain JSON decodes with json.loads; kombu's type markers with kombu's decoder.
+    args = (json.loads(row.args_json) if encoding.MARKER not in row.args_json
+            else encoding.decode(row.args_json))
+    kwargs = (json.loads(row.kwargs_json) if encoding.MARKER not in row.kwargs_json
+              else encoding.decode(row.kwargs_json))
+    limits = _REPR_LIMITS if destination is None else destination.repr_limits
     # Celery sends ``args or ()``: empty args show as "()", as the worker logs them.
-    argsrepr = task_repr(args) if args else "()"
-    kwargsrepr = task_repr(kwargs)
+    argsrepr = task_repr(args, limits[0], limits[2]) if args else "()"
+    kwargsrepr = task_repr(kwargs, limits[1], limits[2])
     expires: str | None = None
     expiration: str | None = None
     if row.expires_at is not None:
@@ -183,18 +202,25 @@ def build(
     timelimit: list[Any] = [None, None]
     ignore_result: bool | None = None  # "whatever the task says", as with send_task()
     priority: int | None
+    shadow: str | None = None
+    body_encoding = JSON
     if destination is None:
         priority = amqp_priority(row.priority, max_priority)
     else:
         timelimit = list(destination.timelimit)
         ignore_result = destination.ignore_result
-        priority = (amqp_priority(row.priority, destination.max_priority)
-                    if row.priority and destination.max_priority else destination.priority)
+        body_encoding = destination.encoding
+        # apply_async(priority=p) sends p whatever the queue; the row's priority 0
+        # (the column's default) cannot tell "none" from 0, and a negative one
+        # only orders the drain's fetch: both send the app's.
+        priority = min(row.priority, 255) if row.priority > 0 else destination.priority
+        if destination.shadow is not None:
+            shadow = _shadow(destination.shadow, row, args, kwargs)
     headers: dict[str, Any] = {
         "lang": "py",
         "task": row.task_name,
         "id": task_id,
-        "shadow": None,
+        "shadow": shadow,
         "eta": None,
         "expires": expires,
         "group": None,
@@ -213,9 +239,19 @@ def build(
     }
     if row.tag is not None:
         headers[amqp.TAG_HEADER] = row.tag
+    plain_json = body_encoding.serializer == "json"
+    if plain_json:
+        embed = _EMBED if row.embed_json is None else ascii_json(row.embed_json)
+        body = f"[{ascii_json(row.args_json)}, {ascii_json(row.kwargs_json)}, {embed}]".encode()
+    else:
+        body = encoding.serialize(body_encoding, row.args_json, row.kwargs_json, row.embed_json)
+    compression: str | None = None
+    if body_encoding.compression is not None:
+        body, compression = encoding.compress(body, body_encoding.compression)
+        headers["compression"] = compression
     properties: dict[str, Any] = {
-        "content_type": CONTENT_TYPE,
-        "content_encoding": CONTENT_ENCODING,
+        "content_type": body_encoding.content_type,
+        "content_encoding": body_encoding.content_encoding,
         "delivery_mode": PERSISTENT,
         "priority": priority,
         "correlation_id": task_id,
@@ -225,8 +261,6 @@ def build(
         del properties["priority"]
     if expiration is not None:
         properties["expiration"] = expiration
-    embed = _EMBED if row.embed_json is None else ascii_json(row.embed_json)
-    body = f"[{ascii_json(row.args_json)}, {ascii_json(row.kwargs_json)}, {embed}]".encode()
     return Message(
         row_id=row.id,
         task_id=task_id,
@@ -241,12 +275,34 @@ def build(
             encoder.encode(
                 task=row.task_name, task_id=task_id, argsrepr=argsrepr, kwargsrepr=kwargsrepr,
                 expires=expires, tag=row.tag, priority=priority, expiration=expiration,
-                timelimit=timelimit, ignore_result=ignore_result,
+                timelimit=timelimit, ignore_result=ignore_result, shadow=shadow,
+                content=(None if plain_json and compression is None else
+                         (body_encoding.content_type, body_encoding.content_encoding)),
+                compression=compression,
             )
             if encoder is not None and encoder.matches(origin, reply_to)
             else amqp.encode_properties(headers=headers, **{"priority": None, **properties})
         ),
     )
+
+
+_REPR_LIMITS = (REPR_MAXSIZE, REPR_MAXSIZE, REPR_MAXLEVELS)
+
+
+def _shadow(shadow_name: Callable[[Any, Any, dict[str, Any]], Any], row: StagedRow,
+            args: Any, kwargs: Any) -> str | None:
+    """The task's ``shadow_name(args, kwargs, options)``, with the options
+    ``apply_async`` would have been given for the row (its queue, priority and
+    expiry, when it has them)."""
+    options: dict[str, Any] = {}
+    if not row.unrouted:
+        options["queue"] = row.queue
+    if row.priority > 0:
+        options["priority"] = row.priority
+    if row.expires_at is not None:
+        options["expires"] = row.expires_at
+    name = shadow_name(args, kwargs, options)
+    return None if name is None else str(name)
 
 
 _NON_ASCII = re.compile(r"[^\x00-\x7f]")
@@ -270,27 +326,28 @@ def ascii_json(text: str) -> str:
     return text if text.isascii() else _NON_ASCII.sub(_escape, text)
 
 
-def task_repr(value: Any) -> str:
-    """Celery's ``saferepr(value, 1024, maxlevels=3)``, fast for plain values.
+def task_repr(value: Any, maxsize: int = REPR_MAXSIZE, maxlevels: int = REPR_MAXLEVELS) -> str:
+    """Celery's ``saferepr(value, maxsize, maxlevels=maxlevels)`` (its defaults: 1024
+    and 3), fast for plain values.
 
     ``saferepr`` costs tens of microseconds per call. For the common case (small
     structures of numbers, booleans, None and plain strings) it equals
     ``repr()``, which costs well under one; anything else goes to ``saferepr``.
     """
-    if _plain(value, 1):
+    if _plain(value, 1, maxlevels):
         text = repr(value)
-        if len(text) <= REPR_MAXSIZE:
+        if len(text) <= maxsize:
             return text
-    return str(saferepr(value, REPR_MAXSIZE, maxlevels=REPR_MAXLEVELS))
+    return str(saferepr(value, maxsize, maxlevels=maxlevels))
 
 
-def _plain(value: Any, level: int) -> bool:
+def _plain(value: Any, level: int, maxlevels: int) -> bool:
     """True when ``repr(value)`` is exactly what ``saferepr`` would print."""
     if isinstance(value, list):
-        return level <= REPR_MAXLEVELS and all(_plain(v, level + 1) for v in value)
+        return level <= maxlevels and all(_plain(v, level + 1, maxlevels) for v in value)
     if isinstance(value, dict):
-        return level <= REPR_MAXLEVELS and all(
-            _plain_str(k) and _plain(v, level + 1) for k, v in value.items()
+        return level <= maxlevels and all(
+            _plain_str(k) and _plain(v, level + 1, maxlevels) for k, v in value.items()
         )
     if isinstance(value, str):
         return _plain_str(value)

@@ -50,13 +50,13 @@ import json
 import logging
 from typing import Any
 
-from celery import Celery
+from celery import Celery, Task
 from celery.app.routes import MapRoute
 from kombu.common import Broadcast
 from kombu.entity import Exchange, Queue
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
-from drain import celery_app
+from drain import celery_app, encoding
 from drain.config import Settings
 from drain.message import Destination, StagedRow
 from drain.queue_declare import BindingSpec, ExchangeSpec, QueueSpec
@@ -94,6 +94,7 @@ class AppRouter:
     """Routes rows as one Celery app's ``apply_async`` does."""
 
     def __init__(self, app: Celery, *, allow_unknown: bool = False) -> None:
+        encoding.check_app(app)  # raises ConfigError: its workers could not take our messages
         self.app = app
         self.allow_unknown = allow_unknown
         self._tasks = app.tasks
@@ -108,6 +109,8 @@ class AppRouter:
         self._router = app.amqp.router
         self._queues = app.amqp.queues
         self._answers: dict[tuple[str, tuple[Any, ...]], Destination] = {}
+        self._repr_limits = (int(app.amqp.argsrepr_maxsize), int(app.amqp.kwargsrepr_maxsize),
+                             int(app.conf.task_repr_maxlevels))
 
     def destination(self, row: StagedRow) -> Destination:
         """Where ``apply_async`` sends this row's task (raises :class:`UnknownTask`)."""
@@ -174,9 +177,13 @@ class AppRouter:
         soft_time_limit = options.pop("soft_time_limit", None)
         options.pop("expires", None)  # the row's expires_at decides (drain.message)
         ignore_result = getattr(task, "ignore_result", None) if task is not None else None
+        # Celery's own shadow_name gives None: called per row only where a task has its own.
+        own_shadow = (task is not None and isinstance(task, Task)
+                      and getattr(type(task), "shadow_name", None) is not Task.shadow_name)
         return _Start(task, options, (_header_number(time_limit),
                                       _header_number(soft_time_limit)),
-                      None if ignore_result is None else bool(ignore_result))
+                      None if ignore_result is None else bool(ignore_result),
+                      task.shadow_name if own_shadow else None)
 
     def _answer_key(self, routed: dict[str, Any]) -> tuple[Any, ...] | None:
         """``routed`` as a cache key, or None when it holds something that cannot be
@@ -209,6 +216,11 @@ class AppRouter:
             max_priority=int(arguments.get("x-max-priority") or 0),
             timelimit=start.timelimit,
             ignore_result=start.ignore_result,
+            # send_task_message: the routed options' serializer and compression,
+            # else the app's task_serializer and task_compression.
+            encoding=encoding.of(self.app, routed.get("serializer"), routed.get("compression")),
+            repr_limits=self._repr_limits,
+            shadow=start.shadow,
         )
 
 
@@ -221,6 +233,8 @@ class _Start:
     options: dict[str, Any]
     timelimit: tuple[int | float | None, int | float | None]
     ignore_result: bool | None
+    #: The task's own ``shadow_name`` (None: Celery's, which gives no shadow).
+    shadow: Any
 
 
 def publish_target(app: Celery, routed: dict[str, Any]) -> tuple[Queue | None, str, str]:

@@ -18,7 +18,12 @@ chain's ``link_error`` goes to each task and its ``link`` to the last one.
 Only its first task is staged; the worker that runs it sends the next one
 (routed by that worker's app), and so on. Groups and chords, and chains that
 contain them, are refused: they need the result backend's bookkeeping at the
-moment they are applied, which a staged row cannot hold.
+moment they are applied, which a staged row cannot hold. So is
+``task.chunks(it, n)``, whose ``apply_async`` sends a group (one
+``celery.starmap`` task per part): stage each part as ``task.starmap(part)``.
+``task.map(it)`` and ``task.starmap(it)`` are one task each (``celery.map``,
+``celery.starmap``), as ``apply_async`` sends them; they are routed by that
+name, where ``apply_async`` routes them by the task they map.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ _REFUSE_CANVAS = ("stage its first task, and let that task start the rest ({kind
 
 def from_signature(signature: Mapping[str, Any]) -> dict[str, Any]:
     """:func:`stage`'s arguments for a Celery signature or chain, plus ``embed``:
-    the JSON text of the message's embed (None: none).
+    the message's embed (None: none), which drain.staging_values encodes as the
+    arguments, with kombu's JSON encoder.
 
     Options drain cannot honour (``routing_key``, ``exchange``: route with the
     app's ``task_routes`` and ``drain run --app``), groups and chords raise
@@ -110,6 +116,13 @@ def _groups_in(chain: Any) -> set[str]:
 
 def _staged(name: Any, args: Any, kwargs: Any, options: dict[str, Any]) -> dict[str, Any]:
     """stage()'s arguments for task ``name`` sent with these apply_async ``options``."""
+    if name == "celery.chunks":
+        inner = (kwargs or {}).get("task")
+        task = inner.get("task") if isinstance(inner, Mapping) else None
+        raise StagingError(
+            f"{task or 'task'}.chunks(...) cannot be staged: its apply_async sends a group "
+            f"of celery.starmap tasks, one per part; stage each part as "
+            f"{task or 'task'}.starmap(part), which is one task")
     for sender in _SENDER_OPTIONS:
         options.pop(sender, None)
     callbacks = _listed(options.pop("link", None))
@@ -133,8 +146,7 @@ def _staged(name: Any, args: Any, kwargs: Any, options: dict[str, Any]) -> dict[
         for what, sigs in (("link", callbacks), ("link_error", errbacks), ("chain", chain)):
             for sig in sigs or ():
                 _callable(name, what, sig)
-        embed = _embed_json(name, {"callbacks": callbacks, "errbacks": errbacks,
-                                   "chain": chain, "chord": None})
+        embed = {"callbacks": callbacks, "errbacks": errbacks, "chain": chain, "chord": None}
     return {"task_name": name, "args": args, "kwargs": kwargs, "embed": embed, **staged}
 
 
@@ -153,22 +165,6 @@ def _callable(name: Any, what: str, sig: Any) -> None:
     if kind in ("group", "chord"):
         raise StagingError(f"{name}: a {kind} as a {what} cannot be staged: "
                            + _REFUSE_CANVAS.format(kind=kind))
-
-
-def _embed_json(name: Any, embed: dict[str, Any]) -> str:
-    """The embed as Celery's JSON serializer writes it (kombu's encoder, which
-    also writes dates and UUIDs in options); NaN and infinity are refused, as
-    jsonb refuses them (drain.staging checks the rest, as for args)."""
-    # kombu takes ~0.1 s to import, and only a process holding a Celery
-    # signature (which has imported it already) gets here.
-    from kombu.utils.json import dumps  # noqa: PLC0415
-
-    try:
-        text: str = dumps(embed, allow_nan=False)  # type: ignore[no-untyped-call]
-    except (TypeError, ValueError) as exc:
-        raise StagingError(f"the callbacks or chain of {name} are not JSON-serialisable: "
-                           f"{exc}") from None
-    return text
 
 
 def _iso(task_name: Any, what: str, text: str) -> dt.datetime:

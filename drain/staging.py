@@ -14,9 +14,12 @@ Accepted connection objects:
   These use the ``pyformat`` placeholder style (``%(name)s``), which the
   Postgres drivers and Django all speak.
 
-Arguments are encoded as strict JSON (what Celery's JSON serializer sends):
-lists, dicts with string keys, strings, numbers, booleans and None. Anything
-else raises :class:`~drain.errors.StagingError` before any SQL is run.
+Every value is checked and encoded first (drain.staging_values): arguments as
+Celery's JSON serializer sends them (plain JSON, and kombu's datetime, date,
+time, Decimal, UUID and bytes), refusing what ``jsonb`` cannot store (NaN and
+infinities, NUL, lone surrogates) and an ``expires`` beyond what RabbitMQ
+accepts (3,650 days) with :class:`~drain.errors.StagingError`, naming the
+field, before any SQL is run.
 """
 
 from __future__ import annotations
@@ -24,36 +27,24 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import inspect
-import json
-import math
 import operator
-import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from drain import staging_values
 from drain.errors import StagingError, UnsupportedConnection
 from drain.signatures import from_signature
+from drain.staging_values import COLUMNS, EMBED_COLUMNS, Row
 
 #: Where a job staged without a queue goes when the drain runs without ``--app``.
 DEFAULT_QUEUE = "celery"
-_COLUMNS = (
-    "task_id", "task_name", "args", "kwargs", "queue", "priority", "tag", "not_before",
-    "expires_at",
-)
-#: With a row that has an embed (a signature's callbacks, a chain): only then, so
-#: that staging by name works on a schema from before the column.
-_EMBED_COLUMNS = (*_COLUMNS, "embed")
 #: How each column's parameter is cast in the INSERT (they are sent as text).
 _CASTS = {
     "task_id": "uuid", "args": "jsonb", "kwargs": "jsonb", "priority": "smallint",
     "not_before": "timestamptz", "expires_at": "timestamptz", "embed": "jsonb",
 }
 _MULTI_ROW_CHUNK = 500
-# A \u0000 escape in JSON text: preceded by an even number of backslashes, so
-# that a string holding a literal backslash followed by "u0000" is not taken
-# for a NUL.
-_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,34 +63,7 @@ class Job:
     expires: float | dt.datetime | None = None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Row:
-    task_id: uuid.UUID
-    task_name: str
-    args: str
-    kwargs: str
-    #: None: no queue given (NULL): the drain routes it (``--app``) or sends it to celery.
-    queue: str | None
-    priority: int
-    tag: str | None
-    not_before: dt.datetime | None
-    expires_at: dt.datetime | None
-    #: Celery's embed as JSON text (drain.signatures); None: none.
-    embed: str | None = None
-
-    def values(self, columns: tuple[str, ...] = _COLUMNS) -> tuple[Any, ...]:
-        """Column values in ``columns`` order, as COPY takes them."""
-        return tuple(getattr(self, column) for column in columns)
-
-    def params(self, suffix: str = "",
-               columns: tuple[str, ...] = _COLUMNS) -> dict[str, str | None]:
-        """Named parameters, every value as text (or None) so that any driver takes them."""
-        return {
-            f"{column}{suffix}": None if value is None else (
-                value.isoformat() if isinstance(value, dt.datetime) else str(value)
-            )
-            for column, value in zip(columns, self.values(columns), strict=True)
-        }
+_JOB_FIELDS = tuple(field.name for field in dataclasses.fields(Job))
 
 
 def stage(
@@ -136,6 +100,7 @@ def stage(
     * ``expires`` (seconds from now, or a datetime): not published after then;
       moved to ``dead_jobs`` with reason ``expired`` instead. The message
       carries Celery's ``expires`` too, so a worker will not run it late.
+      At most 3,650 days ahead (drain.limits): RabbitMQ refuses later ones.
 
     ``countdown`` and relative ``expires`` are measured on this process's clock.
 
@@ -146,7 +111,8 @@ def stage(
     rest of the chain as after ``apply_async``; the other arguments must then
     be left out. For a chain, the returned id is its first task's; the last
     task's (what ``chain.apply_async().id`` gives) is that of the chain's
-    ``freeze()``, called before staging. Groups and chords are refused.
+    ``freeze()``, called before staging. Groups, chords and
+    ``task.chunks(...)`` (a group of starmaps) are refused.
     """
     if isinstance(task_name, Mapping):
         if (args, kwargs, queue, task_id, priority, tag, countdown, eta, expires) != (
@@ -154,10 +120,10 @@ def stage(
             raise StagingError("give a signature its options with .set(...): "
                                "drain.stage(conn, signature) takes nothing else")
         spec = from_signature(task_name)
-        row = _row(spec.pop("task_name"), spec.pop("args"), spec.pop("kwargs"),
-                   spec.pop("queue", None), spec.pop("task_id", None), **spec)
+        row = staging_values.row(spec.pop("task_name"), spec.pop("args"), spec.pop("kwargs"),
+                                 spec.pop("queue", None), spec.pop("task_id", None), **spec)
     else:
-        row = _row(
+        row = staging_values.row(
             task_name, args, kwargs, queue, task_id,
             priority=priority, tag=tag, countdown=countdown, eta=eta, expires=expires,
         )
@@ -173,10 +139,10 @@ def stage_many(conn: Any, jobs: Iterable[Job | Mapping[str, Any]]) -> list[uuid.
     """
     rows = []
     for position, job in enumerate(jobs):
-        if isinstance(job, Job):
-            spec = dataclasses.asdict(job)
+        if isinstance(job, Job):  # not dataclasses.asdict: it deep-copies the args
+            spec = {name: getattr(job, name) for name in _JOB_FIELDS}
         elif isinstance(job, Mapping):
-            unknown = set(job) - {f.name for f in dataclasses.fields(Job)}
+            unknown = set(job) - set(_JOB_FIELDS)
             if unknown:
                 raise StagingError(f"job #{position}: unknown field(s) {sorted(unknown)}")
             spec = dict(job)
@@ -187,7 +153,7 @@ def stage_many(conn: Any, jobs: Iterable[Job | Mapping[str, Any]]) -> list[uuid.
         if "task_name" not in spec:
             raise StagingError(f"job #{position}: task_name is required")
         rows.append(
-            _row(
+            staging_values.row(
                 spec["task_name"],
                 spec.get("args", ()),
                 spec.get("kwargs"),
@@ -210,134 +176,6 @@ def stage_many(conn: Any, jobs: Iterable[Job | Mapping[str, Any]]) -> list[uuid.
     return [row.task_id for row in rows]
 
 
-# -- validation ------------------------------------------------------------------
-
-
-def _row(  # noqa: PLR0912 - one check per argument reads best in a row
-    task_name: Any,
-    args: Any,
-    kwargs: Any,
-    queue: Any,
-    task_id: Any,
-    *,
-    priority: Any = 0,
-    tag: Any = None,
-    countdown: Any = None,
-    eta: Any = None,
-    expires: Any = None,
-    embed: str | None = None,
-) -> _Row:
-    if not isinstance(task_name, str) or not task_name.strip():
-        raise StagingError(f"task name must be a non-empty string, got {task_name!r}")
-    if len(_text("task name", task_name)) > 1024:
-        raise StagingError(f"task name is longer than 1024 bytes: {task_name[:40]!r}...")
-    if args is None:
-        args = ()
-    if isinstance(args, (str, bytes, Mapping)) or not isinstance(args, Sequence):
-        raise StagingError(
-            f"args for {task_name} must be a list or tuple, got {type(args).__name__}"
-        )
-    if kwargs is None:
-        kwargs = {}
-    if not isinstance(kwargs, Mapping):
-        raise StagingError(f"kwargs for {task_name} must be a dict, got {type(kwargs).__name__}")
-    bad_keys = [k for k in kwargs if not isinstance(k, str)]
-    if bad_keys:
-        raise StagingError(f"kwargs for {task_name} must have string keys, got {bad_keys[0]!r}")
-    if queue is not None and (
-        not isinstance(queue, str) or not 1 <= len(_text(f"queue for {task_name}", queue)) <= 255
-    ):
-        raise StagingError(f"queue for {task_name} must be a string of 1 to 255 bytes")
-    if task_id is None:
-        task_id = uuid.uuid4()
-    elif not isinstance(task_id, uuid.UUID):
-        try:
-            task_id = uuid.UUID(str(task_id))
-        except ValueError:
-            raise StagingError(f"task_id for {task_name} is not a UUID: {task_id!r}") from None
-    if priority is None:
-        priority = 0
-    if isinstance(priority, bool) or not isinstance(priority, int) or not (
-        -32768 <= priority <= 32767
-    ):
-        raise StagingError(f"priority for {task_name} must be an integer from -32768 to 32767")
-    if tag is not None and (
-        not isinstance(tag, str) or not 1 <= len(_text(f"tag for {task_name}", tag)) <= 255
-    ):
-        raise StagingError(f"tag for {task_name} must be a string of 1 to 255 bytes")
-    now = dt.datetime.now(dt.timezone.utc)
-    if countdown is not None and eta is not None:
-        raise StagingError(f"give {task_name} a countdown or an eta, not both")
-    not_before = None
-    if countdown is not None:
-        not_before = now + _seconds(task_name, "countdown", countdown)
-    elif eta is not None:
-        not_before = _moment(task_name, "eta", eta)
-    expires_at = None
-    if expires is not None:
-        expires_at = (
-            _moment(task_name, "expires", expires) if isinstance(expires, dt.datetime)
-            else now + _seconds(task_name, "expires", expires)
-        )
-    return _Row(
-        task_id=task_id,
-        task_name=task_name,
-        args=_json(task_name, "args", list(args)),
-        kwargs=_json(task_name, "kwargs", dict(kwargs)),
-        queue=queue,
-        priority=priority,
-        tag=tag,
-        not_before=not_before,
-        expires_at=expires_at,
-        embed=None if embed is None else _json_text(task_name, "callbacks or chain", embed),
-    )
-
-
-def _seconds(task_name: str, what: str, value: Any) -> dt.timedelta:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise StagingError(f"{what} for {task_name} must be a number of seconds, got {value!r}")
-    try:
-        return dt.timedelta(seconds=value)
-    except OverflowError:
-        raise StagingError(f"{what} for {task_name} is out of range: {value!r}") from None
-
-
-def _moment(task_name: str, what: str, value: Any) -> dt.datetime:
-    """A datetime as an aware one; naive means UTC, as in Celery."""
-    if not isinstance(value, dt.datetime):
-        raise StagingError(f"{what} for {task_name} must be a datetime, got {value!r}")
-    return value if value.tzinfo is not None else value.replace(tzinfo=dt.timezone.utc)
-
-
-def _json(task_name: str, what: str, value: Any) -> str:
-    try:
-        text = json.dumps(value, allow_nan=False, ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
-        raise StagingError(
-            f"{what} for {task_name} are not JSON-serialisable: {exc}; "
-            "convert them to lists, dicts, strings, numbers, booleans or None"
-        ) from None
-    return _json_text(task_name, what, text)
-
-
-def _json_text(task_name: str, what: str, text: str) -> str:
-    """JSON text as jsonb will take it: no NUL, valid Unicode."""
-    if _JSON_NUL.search(text):
-        raise StagingError(f"{what} for {task_name} contain a NUL character, which jsonb refuses")
-    _text(f"{what} for {task_name}", text)
-    return text
-
-
-def _text(what: str, value: str) -> bytes:
-    """``value`` as UTF-8; refuses what Postgres text cannot hold (NUL, lone surrogates)."""
-    if "\x00" in value:
-        raise StagingError(f"{what} contains a NUL character, which Postgres refuses")
-    try:
-        return value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise StagingError(f"{what} is not valid Unicode text: {exc.reason}") from None
-
-
 # -- execution ---------------------------------------------------------------------
 
 
@@ -350,11 +188,11 @@ def _is_sqlalchemy(conn: Any) -> bool:
     return type(conn).__module__.startswith("sqlalchemy.")
 
 
-def _columns(rows: list[_Row]) -> tuple[str, ...]:
-    return _EMBED_COLUMNS if any(row.embed is not None for row in rows) else _COLUMNS
+def _columns(rows: list[Row]) -> tuple[str, ...]:
+    return EMBED_COLUMNS if any(row.embed is not None for row in rows) else COLUMNS
 
 
-def _copy_columns(rows: list[_Row]) -> tuple[str, ...]:
+def _copy_columns(rows: list[Row]) -> tuple[str, ...]:
     """COPY's columns: without queue when no row gives one, so that the column's
     default applies, as in the INSERT (:func:`_insert_sql`)."""
     columns = _columns(rows)
@@ -363,7 +201,7 @@ def _copy_columns(rows: list[_Row]) -> tuple[str, ...]:
     return columns
 
 
-def _insert_sql(rows: list[_Row], style: str, columns: tuple[str, ...] = _COLUMNS) -> str:
+def _insert_sql(rows: list[Row], style: str, columns: tuple[str, ...] = COLUMNS) -> str:
     """The INSERT of ``rows``. A row without a queue takes the column's DEFAULT,
     which is NULL, or 'celery' on a database `drain migrate` has not upgraded
     yet (where that was how "no queue given" read)."""
@@ -382,7 +220,7 @@ def _insert_sql(rows: list[_Row], style: str, columns: tuple[str, ...] = _COLUMN
     return f"INSERT INTO staged_jobs ({', '.join(columns)}) VALUES {values}"  # noqa: S608
 
 
-def _params(rows: list[_Row], columns: tuple[str, ...] = _COLUMNS) -> dict[str, str | None]:
+def _params(rows: list[Row], columns: tuple[str, ...] = COLUMNS) -> dict[str, str | None]:
     params: dict[str, str | None] = {}
     for i, row in enumerate(rows):
         params.update(row.params(str(i), columns))
@@ -399,7 +237,7 @@ def _refuse_async(conn: Any) -> None:
         )
 
 
-def _execute_insert(conn: Any, rows: list[_Row]) -> None:
+def _execute_insert(conn: Any, rows: list[Row]) -> None:
     _refuse_async(conn)
     columns = _columns(rows)
     params = _params(rows, columns)
@@ -426,7 +264,7 @@ def _execute_insert(conn: Any, rows: list[_Row]) -> None:
         )
 
 
-def _copy(conn: Any, rows: list[_Row]) -> None:
+def _copy(conn: Any, rows: list[Row]) -> None:
     columns = _copy_columns(rows)
     statement = f"COPY staged_jobs ({', '.join(columns)}) FROM STDIN"
     if hasattr(conn, "copy"):  # a psycopg Cursor
@@ -436,7 +274,7 @@ def _copy(conn: Any, rows: list[_Row]) -> None:
         _copy_rows(cursor, statement, rows, columns)
 
 
-def _copy_rows(cursor: Any, statement: str, rows: list[_Row], columns: tuple[str, ...]) -> None:
+def _copy_rows(cursor: Any, statement: str, rows: list[Row], columns: tuple[str, ...]) -> None:
     values = operator.attrgetter(*columns)
     with cursor.copy(statement) as copy:
         for row in rows:

@@ -105,6 +105,12 @@ class Tap:
     def declare_exchange(self, name: str, kind: str) -> None:
         self.channel.exchange_declare(name, exchange_type=kind, durable=True)
 
+    def forget_celery(self) -> None:
+        """Delete Celery's default queue and exchange (``celery``), for an app that
+        declares them otherwise than the one before (another type, arguments)."""
+        self.channel.queue_delete("celery")
+        self.channel.exchange_delete("celery")
+
 
 def entities(vhost: str) -> dict[str, list[Any]]:
     """The queues, exchanges and bindings of ``vhost``, sorted."""

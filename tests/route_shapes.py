@@ -26,7 +26,7 @@ import random
 import re
 from typing import Any
 
-from celery import Celery
+from celery import Celery, Task
 from kombu.common import Broadcast
 from kombu.entity import Exchange, Queue, binding
 
@@ -49,6 +49,8 @@ def build_queue(spec: dict[str, Any]) -> Queue:
         kwargs["queue_arguments"] = dict(spec["arguments"])
     if spec.get("max_priority"):
         kwargs["max_priority"] = spec["max_priority"]
+    if spec.get("durable") is False:
+        kwargs["durable"] = False  # a transient queue
     if spec.get("bindings"):
         kwargs["bindings"] = [binding(Exchange(b["exchange"]["name"], type=b["exchange"]["type"]),
                                       routing_key=b["routing_key"]) for b in spec["bindings"]]
@@ -127,8 +129,25 @@ def build_app(spec: dict[str, Any], broker_url: str) -> Celery:
         def run(*args: Any, **kwargs: Any) -> None:
             return None
 
-        app.task(name=task["name"], shared=False, **task["options"])(run)
+        options = dict(task["options"])
+        if task.get("shadow") == "base":
+            options["base"] = ShadowTask
+        elif task.get("shadow") == "option":
+            options["shadow_name"] = shadow_name
+        app.task(name=task["name"], shared=False, **options)(run)
     return app
+
+
+def shadow_name(task: Any, args: Any, kwargs: Any, options: Any) -> str:
+    """A shadow name from the call, as ``@app.task(shadow_name=...)`` gives it."""
+    return f"{task.name}~{args[0] if args else '-'}~{sorted(kwargs or {})}"
+
+
+class ShadowTask(Task):  # type: ignore[misc]  # celery ships no type hints
+    """A task class that names its calls in logs and monitoring (``shadow_name``)."""
+
+    def shadow_name(self, args: Any, kwargs: Any, options: Any) -> str:
+        return f"shadow.{self.name}.{len(args or ())}"
 
 
 # -- drawing specs --------------------------------------------------------------------

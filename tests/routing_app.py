@@ -12,8 +12,9 @@ a test builds the same app in-process with :func:`create`. It has:
 * a queue with ``x-max-priority`` 10, a quorum queue, a topic exchange;
 * a task with its own queue, time limits, priority and ``ignore_result``;
 * tasks that record where they ran in ``routing_runs`` (``ROUTING_APP_DATABASE_URL``);
-* canvas tasks (``canvas.add``, ``canvas.fail`` and the errback
-  ``canvas.on_error``), which record what they were given in ``canvas_runs``:
+* canvas tasks (``canvas.add``, ``canvas.fail``, the errback
+  ``canvas.on_error``, and ``canvas.types``, which records the repr of each
+  argument), which record what they were given in ``canvas_runs``:
   chains and callbacks staged through drain must run as after ``apply_async``.
 """
 
@@ -122,6 +123,14 @@ def create(suffix: str) -> Celery:
     def canvas_add(self: Task, x: int, y: int = 0) -> int:
         record_canvas(self.name, [x, y], self.request)
         return x + y
+
+    @app.task(name="canvas.types", bind=True, shared=False)
+    def canvas_types(self: Task, *args: Any, **kwargs: Any) -> None:
+        # What the worker was given, type and value: kombu's JSON carries
+        # datetimes, Decimals, UUIDs and bytes.
+        record_canvas(self.name, {"args": [repr(a) for a in args],
+                                  "kwargs": {k: repr(v) for k, v in kwargs.items()}},
+                      self.request)
 
     @app.task(name="canvas.fail", bind=True, shared=False)
     def canvas_fail(self: Task, *args: Any) -> None:

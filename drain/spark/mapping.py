@@ -27,7 +27,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from drain.errors import ConfigError
-from drain.staging import _row
+from drain.staging_values import row
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -93,7 +93,7 @@ class Mapping:
             raise ConfigError("give the kwargs as columns or as an expression, not both")
         if self.spread is not None and self.spread <= dt.timedelta(0):
             raise ConfigError("the spread must be a positive duration")
-        _row(self.task_name, (), {}, self.queue, None, priority=self.priority, tag=self.tag)
+        row(self.task_name, (), {}, self.queue, None, priority=self.priority, tag=self.tag)
 
 
 def validate_run_id(run_id: str) -> None:

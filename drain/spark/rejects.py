@@ -1,7 +1,7 @@
 """Records that can never become a job, found before any COPY.
 
 :func:`reason` is a Spark SQL column: NULL for a record that can be staged,
-else why not, in :func:`drain.stage`'s words (drain/staging.py):
+else why not, in :func:`drain.stage`'s words (drain/staging_values.py):
 
 * args or kwargs holding a NUL character (``\\u0000`` in their JSON): "args for
   TASK contain a NUL character, which jsonb refuses";
@@ -30,11 +30,11 @@ from drain.spark import mapping as mapping_
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
 
-#: A ``\u0000`` escape preceded by an even number of backslashes (staging._JSON_NUL).
+#: A ``\u0000`` escape preceded by an even number of backslashes (staging_values._JSON_NUL).
 JSON_NUL = r"(?<!\\)(?:\\\\)*\\u0000"
 _NOT_JSON = (
     "{what} for {task} are not JSON-serialisable: Out of range float values are not JSON "
-    "compliant: {value}; convert them to lists, dicts, strings, numbers, booleans or None"
+    "compliant: {value}; jsonb stores no NaN or infinity"
 )
 
 

@@ -7,6 +7,9 @@ queue); the drain runs as ``drain run --app tests.routing_app``.
 
 from __future__ import annotations
 
+import datetime as dt
+import decimal
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +18,14 @@ from celery import Celery, chain
 
 import drain
 from tests import messages, routing_app, support
+
+#: What kombu's JSON serializer carries besides plain JSON.
+KOMBU_VALUES: list[Any] = [
+    uuid.UUID("7d3f0f7e-8f3a-4d51-9a49-1bd9b1b0c2aa"),
+    dt.datetime(2026, 11, 27, 3, 4, 5, 678901, tzinfo=dt.timezone(dt.timedelta(hours=2))),
+    dt.datetime(2026, 11, 27, 3, 4, 5), dt.date(2026, 11, 27), dt.time(3, 4, 5, 6),
+    decimal.Decimal("1.10"), b"utf-8 bytes \xc3\xa9", b"\xff\xfe not utf-8",
+]
 
 
 def _env(db_url: str, suffix: str) -> dict[str, str]:
@@ -32,6 +43,8 @@ def _canvases(app: Celery, suffix: str) -> dict[str, Any]:
         "chain": (add.s(1, 2) | chain(add.s(3), add.s(4))).set(link_error=on_error.s()),
         "chain-link": (add.s(3, 3) | fail.s()).set(link=add.s(7)),
         "single-chain": chain(add.s(7, 1)),
+        "kombu-types": app.tasks["canvas.types"].s(*KOMBU_VALUES, at=KOMBU_VALUES[1]).set(
+            link=add.s(KOMBU_VALUES[5])),
     }
     for canvas in cases.values():
         if canvas["subtask_type"] == "chain":
@@ -147,3 +160,44 @@ def test_a_celery_worker_runs_chains_and_callbacks_to_their_end(
     assert not [r for r in runs if 100 in r[2]]
     with psycopg.connect(db_url) as conn:
         assert conn.execute("SELECT count(*) FROM staged_jobs").fetchone() == (0,)
+
+
+def test_a_worker_gets_kombus_types_as_from_apply_async_and_runs_starmap(
+    db_url: str, suffix: str, app: Celery, spawn: Any
+) -> None:
+    """UUID, datetime, date, time, Decimal and bytes staged (by name, as a
+    signature, as task.stage) reach a real worker as the same types as from
+    apply_async; task.starmap is one task that runs the task for each item."""
+    env = _env(db_url, suffix)
+    default = routing_app.names(suffix)["default"]
+    worker = spawn([*support.celery_argv(default)[:3], "-A", "tests.routing_app", "worker",
+                    "-Q", default, "-P", "threads", "-c", "1", "--without-gossip",
+                    "--without-mingle", "-l", "info", "-n", f"ty{suffix}@%h"], env, "worker")
+    worker.wait_for_output("ready.", timeout=60)
+    spawn(support.drain_argv("run", "--app", "tests.routing_app", "--poll-interval", "0.2"),
+          env, "drain")
+    types, add = app.tasks["canvas.types"], app.tasks["canvas.add"]
+    kwargs = {"at": KOMBU_VALUES[1], "ids": [KOMBU_VALUES[0]], "amount": KOMBU_VALUES[5]}
+    with psycopg.connect(db_url) as conn:
+        staged = [str(drain.stage(conn, "canvas.types", KOMBU_VALUES, kwargs)),
+                  str(drain.stage(conn, types.s(*KOMBU_VALUES, **kwargs)))]
+        mapped = str(drain.stage(conn, add.starmap([(1, 2), (3, 4)])))
+    sent = types.apply_async(KOMBU_VALUES, kwargs).id
+
+    runs = _wait_runs(db_url, "the typed jobs and the starmap to run", lambda runs: (
+        sum(r[1] == "canvas.types" for r in runs) == 3
+        and {(1, 2), (3, 4)} <= {tuple(r[2]) for r in runs if r[1] == "canvas.add"}))
+    given = {r[0]: r[2] for r in runs if r[1] == "canvas.types"}
+    assert set(given) == {*staged, sent}
+    assert given[sent]["args"] == [repr(v) for v in KOMBU_VALUES]
+    assert given[staged[0]] == given[staged[1]] == given[sent]
+    # starmap: drain published one celery.starmap message, whose task ran
+    # canvas.add in itself (no task id of its own) for each item, as after
+    # apply_async; nothing is left staged or dead.
+    inline = [r for r in runs if r[1] == "canvas.add"]
+    assert sorted(r[2] for r in inline) == [[1, 2], [3, 4]]
+    assert [r[0] for r in inline if r[0] is not None] == []
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT (SELECT count(*) FROM staged_jobs), "
+                            "(SELECT count(*) FROM dead_jobs)").fetchone() == (0, 0)
+    assert mapped not in given

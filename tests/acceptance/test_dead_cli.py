@@ -186,6 +186,21 @@ def test_requeue_refuses_jobs_that_expired_before_they_were_due(db_url: str) -> 
     assert row == (True,)
 
 
+def test_requeue_refuses_an_expiry_beyond_the_brokers_limit(db_url: str) -> None:
+    """Before: requeued with an expiry RabbitMQ refuses (406)."""
+    _bury(db_url)
+    refused = support.run_cli(db_url, "dead", "requeue", "--reason", "too_large",
+                              "--expires-in", "3651d", "--yes")
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.startswith("drain: error: --expires-in is more than 3,650 days")
+    assert refused.stderr.count("\n") == 1
+    assert support.staged_count(db_url) == 0
+    done = support.run_cli(db_url, "dead", "requeue", "--reason", "too_large",
+                           "--expires-in", "3649d", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert support.staged_count(db_url) == 1
+
+
 @pytest.mark.parametrize("args", [
     ("stage", "t.x"), ("dead", "list"), ("dead", "requeue", "--yes"),
     ("dead", "purge", "--older-than", "0s", "--yes"), ("processed", "purge", "--older-than", "1d"),

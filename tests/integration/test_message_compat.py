@@ -1,11 +1,16 @@
 """The drain's messages are the messages Celery itself publishes.
 
 Both are fetched back from RabbitMQ and compared field by field: every AMQP
-property, every header (in order), the body, and the routing.
+property, every header (in order), the body, and the routing. Without an app
+(``send_task``, ``apply_async`` of a JSON app), and with ``--app`` of apps that
+serialize with pickle, yaml or msgpack, compress, shadow a task's name or lower
+the repr limits (tests/encoding_app.py).
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import decimal
 import json
 import re
 import uuid
@@ -13,11 +18,12 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from kombu.utils.json import dumps as kombu_dumps
 
 import drain
 from drain.config import Settings
 from drain.runner import Drain
-from tests import roles, support
+from tests import encoding_app, roles, support
 
 ARGS = [1, "a", {"nested": [1, 2.5, None]}, "it's \"quoted\"\n", "é☃", 2**40]
 # jsonb keeps object keys sorted (shorter first, then bytewise), so the worker
@@ -57,7 +63,8 @@ def celery_app() -> Any:
 
 
 def _compare(
-    ours: tuple[Any, Any, bytes], theirs: tuple[Any, Any, bytes], allowed: set[str]
+    ours: tuple[Any, Any, bytes], theirs: tuple[Any, Any, bytes], allowed: set[str],
+    json_body: bool = True,
 ) -> None:
     (m1, p1, b1), (m2, p2, b2) = ours, theirs
     assert (m1.exchange, m1.routing_key) == (m2.exchange, m2.routing_key)
@@ -73,7 +80,8 @@ def _compare(
             differences.append(f"header {key}: {p1.headers[key]!r} != {p2.headers[key]!r}")
     unexpected = [d for d in differences if d.split(":")[0].split()[-1] not in allowed]
     assert not unexpected, "\n".join(unexpected)
-    assert json.loads(b1) == json.loads(b2)
+    if json_body:
+        assert json.loads(b1) == json.loads(b2)
     assert b1 == b2, "bodies decode equal but differ as bytes"
     for props in (p1, p2):
         assert ORIGIN.match(props.headers["origin"]), props.headers["origin"]
@@ -110,3 +118,71 @@ def test_same_as_apply_async(db_url: str, queue: str, celery_app: Any) -> None:
     _compare(ours, theirs, allowed={"origin", "reply_to", "ignore_result", "priority"})
     assert ours[1].headers["ignore_result"] is None
     assert theirs[1].headers["ignore_result"] is False
+
+
+# -- apps that encode otherwise than plain JSON (tests/encoding_app.py) -----------------
+
+#: The types kombu's JSON carries, staged as kombu's JSON writes them. The kwargs in
+#: jsonb's key order (shorter keys first), so that the bodies can be compared byte
+#: for byte.
+TYPED_ARGS = [dt.datetime(2026, 11, 27, 3, 4, 5, 6, tzinfo=dt.timezone.utc),
+              uuid.UUID("12345678-1234-5678-1234-567812345678"), decimal.Decimal("12.50"),
+              dt.date(2026, 1, 2), "é☃", [1, 2.5, None], b"\x00\xff"]
+TYPED_KWARGS = {"n": 3, "at": dt.time(4, 5, 6)}
+PLAIN_ARGS = [1, "é☃", {"nested": [1, 2.5, None]}, "x" * 300]
+
+
+def _app_drain_message(db_url: str, queue: str, *, spec: str, task: str, args: Any,
+                       kwargs: Any, task_id: uuid.UUID, **columns: Any) -> tuple[Any, Any, bytes]:
+    """Stage by SQL (kombu's markers as kombu_dumps writes them), then ``drain run --app``."""
+    names = ["task_id", "task_name", "args", "kwargs", "queue", *columns]
+    with support.connect(roles.url(db_url, roles.STAGER)) as conn:  # as the app stages
+        conn.execute(f"INSERT INTO staged_jobs ({', '.join(names)}) VALUES "
+                     f"(%s, %s, %s::jsonb, %s::jsonb, %s{', %s' * len(columns)})",
+                     [task_id, task, kombu_dumps(args), kombu_dumps(kwargs), queue,
+                      *columns.values()])
+    Drain(Settings(database_url=roles.url(db_url, roles.RUNNER), broker_url=support.BROKER_URL,
+                   celery_app=spec), exit_when_empty=True).run()
+    return _get_one(queue)
+
+
+@pytest.mark.parametrize("case", [
+    ("pickle_app", "enc.record", TYPED_ARGS, TYPED_KWARGS),
+    ("gzip_app", "enc.record", TYPED_ARGS, TYPED_KWARGS),
+    ("yaml_app", "enc.record", PLAIN_ARGS, {"k": "v"}),
+    ("msgpack_app", "enc.record", PLAIN_ARGS, {"k": "v"}),
+    ("mixed_app", "enc.pickled", TYPED_ARGS, TYPED_KWARGS),
+    ("mixed_app", "enc.shadowed", ["abc", *TYPED_ARGS], TYPED_KWARGS),
+    ("mixed_app", "enc.record", [[[1, [2, [3]]]], "y" * 100], {}),
+])
+def test_same_as_apply_async_of_an_app_that_encodes_otherwise(
+    db_url: str, queue: str, case: tuple[str, str, Any, Any]
+) -> None:
+    """Properties, headers (shadow, compression, argsrepr with the app's limits) and
+    the body bytes (serialized, compressed) are those of the app's apply_async."""
+    name, task, args, kwargs = case
+    spec = f"tests.encoding_app:{name}"
+    app = getattr(encoding_app, name)
+    task_id = uuid.uuid4()
+    ours = _app_drain_message(db_url, queue, spec=spec, task=task, args=args, kwargs=kwargs,
+                              task_id=task_id)
+    app.tasks[task].apply_async(args=args, kwargs=kwargs, queue=queue, task_id=str(task_id))
+    theirs = _get_one(queue)
+    _compare(ours, theirs, allowed={"origin", "reply_to"}, json_body=False)
+    if task == "enc.shadowed":
+        assert ours[1].headers["shadow"] == "shadow.abc"
+
+
+def test_priority_of_a_row_as_apply_async_sends_it(db_url: str, queue: str) -> None:
+    """apply_async(priority=5) to a queue without x-max-priority sends 5 (the
+    worker's delivery_info['priority']); so does a row staged with priority 5.
+    Before: 0."""
+    task_id = uuid.uuid4()
+    ours = _app_drain_message(db_url, queue, spec="tests.encoding_app:gzip_app",
+                              task="enc.record", args=[1], kwargs={}, task_id=task_id,
+                              priority=5)
+    encoding_app.gzip_app.tasks["enc.record"].apply_async(
+        args=[1], kwargs={}, queue=queue, task_id=str(task_id), priority=5)
+    theirs = _get_one(queue)
+    _compare(ours, theirs, allowed={"origin", "reply_to"}, json_body=False)
+    assert ours[1].priority == theirs[1].priority == 5

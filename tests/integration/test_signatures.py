@@ -12,6 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 from celery import Celery, chain, chord, group
+from kombu.utils.json import loads
 
 import drain
 from drain.celery_task import StagingTask
@@ -188,3 +189,95 @@ def test_task_stage_checks_the_arguments_as_apply_async_does(
     with psycopg.connect(db_url) as conn:
         app.tasks["t.loose"].stage(conn, 1, 2, 3)
     assert [r["args"] for r in _rows(db_url)] == [[1, 2, 3]]
+
+
+def _nested(depth: int) -> list[Any]:
+    """A list nested ``depth`` deep: ``[[[...]]]``."""
+    top: list[Any] = []
+    inner = top
+    for _ in range(depth - 1):
+        inner.append([])
+        inner = inner[0]
+    return top
+
+
+#: Callbacks and chain steps holding what jsonb refuses: each must raise
+#: StagingError before any SQL, as the same value in the main args does.
+BAD_EMBEDS: dict[str, Any] = {
+    "link-arg": lambda t: t.s(1, 2).set(link=t.s("a\ud800")),
+    "link_error-kwarg": lambda t: t.s(1, 2).set(link_error=t.s(y="\udcff")),
+    "link-option": lambda t: t.s(1, 2).set(link=t.s(1).set(queue="q\ud800")),
+    "chain-step": lambda t: t.s(1, 2) | t.s(3) | t.s("b\ud800"),
+    "chain-step-kwarg": lambda t: t.s(1, 2) | t.s(y={"k": ["\ud800"]}),
+    "chain-link_error": lambda t: (t.s(1, 2) | t.s(3)).set(link_error=t.si("\udfff", 0)),
+    "link-NUL": lambda t: t.s(1, 2).set(link=t.s("a\x00")),
+    "link-nested": lambda t: t.s(1, 2).set(link=t.s(_nested(3000))),
+}
+
+
+@pytest.mark.parametrize("build", BAD_EMBEDS.values(), ids=BAD_EMBEDS.keys())
+def test_a_bad_callback_is_refused_and_the_applications_transaction_goes_on(
+    db_url: str, app: Celery, build: Any
+) -> None:
+    """The application's own write in the same transaction commits: before, a
+    lone surrogate in a callback reached the INSERT, and jsonb's refusal aborted
+    the transaction with it."""
+    with psycopg.connect(db_url) as conn:
+        conn.execute("CREATE TABLE annotation (id int)")
+        conn.execute("INSERT INTO annotation VALUES (1)")
+        with pytest.raises(drain.StagingError, match=r"callbacks or chain for t\.add "):
+            drain.stage(conn, build(app.tasks["t.add"]))
+        conn.execute("INSERT INTO annotation VALUES (2)")
+        conn.commit()
+        assert conn.execute("SELECT array_agg(id ORDER BY id) FROM annotation").fetchone() == (
+            [1, 2],)
+    assert _rows(db_url) == []
+
+
+@pytest.mark.parametrize(("options", "says"), [
+    ({"expires": dt.datetime(2099, 1, 1)}, "expires for t.add is more than 3,650 days ahead"),
+    ({"expires": 3651 * 86400}, "expires for t.add is more than 3,650 days ahead"),
+    ({"expires": dt.datetime(2099, 1, 1).isoformat()}, "more than 3,650 days ahead"),
+    ({"expires": 1e12}, "expires for t.add is out of range"),
+    ({"countdown": 1e12}, "countdown for t.add is out of range"),
+], ids=["datetime", "seconds", "iso-text", "expires-overflow", "countdown-overflow"])
+def test_a_signatures_times_are_checked_as_stages(
+    db_url: str, app: Celery, options: dict[str, Any], says: str
+) -> None:
+    add = app.tasks["t.add"]
+    with psycopg.connect(db_url) as conn:
+        with pytest.raises(drain.StagingError, match=re.escape(says)):
+            drain.stage(conn, add.s(1, 2).set(**options))
+        with pytest.raises(drain.StagingError, match=re.escape(says)):
+            add.stage_with(conn, [1, 2], **options)
+    assert _rows(db_url) == []
+
+
+def test_chunks_are_refused_map_and_starmap_are_one_task(db_url: str, app: Celery) -> None:
+    """apply_async sends chunks as a group of celery.starmap tasks (refused, as
+    groups are); map and starmap as one task each, as staged here."""
+    add = app.tasks["t.add"]
+    with psycopg.connect(db_url) as conn:
+        with pytest.raises(drain.StagingError, match=re.escape(
+                "t.add.chunks(...) cannot be staged: its apply_async sends a group of "
+                "celery.starmap tasks, one per part; stage each part as t.add.starmap(part)")):
+            drain.stage(conn, add.chunks([(1, 2), (3, 4), (5, 6)], 2))
+        drain.stage(conn, add.starmap([(1, 2), (3, 4)]))
+        drain.stage(conn, add.map([1, 2]))
+    rows = _rows(db_url)
+    assert [(r["task_name"], r["args"], r["kwargs"]["it"]) for r in rows] == [
+        ("celery.starmap", [], [[1, 2], [3, 4]]), ("celery.map", [], [1, 2])]
+    assert rows[0]["kwargs"]["task"]["task"] == "t.add"
+
+
+def test_a_signature_carries_kombus_types(db_url: str, app: Celery) -> None:
+    """add.s(uuid) stages as add.delay(uuid) sends it, its callbacks too."""
+    given = uuid.uuid4()
+    at = dt.datetime(2030, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
+    with psycopg.connect(db_url) as conn:
+        app.tasks["t.add"].stage(conn, given, y=at)
+        drain.stage(conn, app.tasks["t.add"].s(1, 2).set(link=app.tasks["t.add"].s(given)))
+        texts = conn.execute("SELECT args::text, kwargs::text, embed::text FROM staged_jobs "
+                             "ORDER BY id").fetchall()
+    assert (loads(texts[0][0]), loads(texts[0][1])) == ([given], {"y": at})
+    assert loads(texts[1][2])["callbacks"][0]["args"] == [given]

@@ -14,7 +14,9 @@
 from __future__ import annotations
 
 import datetime as dt
+import decimal
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -22,10 +24,13 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy
+from kombu.utils.json import loads
 from sqlalchemy.orm import Session
 
 import drain
-from tests import support
+from drain import sql
+from drain.limits import MAX_EXPIRATION_MS
+from tests import roles, support
 
 
 def rows(url: str, where: str = "TRUE") -> list[tuple[Any, ...]]:
@@ -253,8 +258,22 @@ def test_stage_many_empty(db_url: str, engine: sqlalchemy.Engine) -> None:
 
 # -- bad input -----------------------------------------------------------------------------
 
+def _nested(depth: int) -> list[Any]:
+    """A list nested ``depth`` deep: ``[[[...]]]``."""
+    top: list[Any] = []
+    inner = top
+    for _ in range(depth - 1):
+        inner.append([])
+        inner = inner[0]
+    return top
+
+
 BAD_CALLS: list[tuple[str, dict[str, Any]]] = [
-    ("datetime in args", {"task_name": "t.bad", "args": [dt.datetime(2026, 1, 1)]}),
+    ("set in args", {"task_name": "t.bad", "args": [{1, 2}]}),
+    ("expires beyond the broker's limit", {"task_name": "t.bad",
+                                           "expires": dt.datetime(2099, 1, 1)}),
+    ("countdown out of range", {"task_name": "t.bad", "countdown": 1e12}),
+    ("args nested too deeply", {"task_name": "t.bad", "args": [_nested(5000)]}),
     ("lone surrogate in args", {"task_name": "t.bad", "args": ["\udcff"]}),
     ("lone surrogate in kwargs key", {"task_name": "t.bad", "kwargs": {"\ud800": 1}}),
     ("lone surrogate in task name", {"task_name": "t.bad\ud800"}),
@@ -332,3 +351,83 @@ def test_tricky_values_round_trip(db_url: str, engine: sqlalchemy.Engine) -> Non
         texts = conn.execute("SELECT args::text, kwargs::text FROM staged_jobs").fetchall()
     for args_text, kwargs_text in texts:
         assert (json.loads(args_text), json.loads(kwargs_text)) == (TRICKY_ARGS, TRICKY_KWARGS)
+
+
+# -- what kombu's JSON carries ----------------------------------------------------------
+
+KOMBU_ARGS: list[Any] = [
+    uuid.UUID("7d3f0f7e-8f3a-4d51-9a49-1bd9b1b0c2aa"),
+    dt.datetime(2026, 11, 27, 3, 4, 5, 678901, tzinfo=dt.timezone(dt.timedelta(hours=-3))),
+    dt.date(2026, 11, 27), dt.time(23, 59, 59, 999999), decimal.Decimal("-0.000100"),
+    b"bytes \xc3\xa9", b"\x80\xff base64", {"in": [decimal.Decimal("1E+3")]},
+]
+
+
+def test_kombus_types_round_trip_through_jsonb(db_url: str, engine: sqlalchemy.Engine) -> None:
+    """INSERT (psycopg, SQLAlchemy) and COPY: the JSON text the drain publishes
+    decodes, by kombu's decoder as in the worker, to the values given (jsonb
+    reorders an object's keys; kombu's object hook does not mind)."""
+    kwargs = {"id": KOMBU_ARGS[0], "at": KOMBU_ARGS[1]}
+    with psycopg.connect(db_url) as conn:
+        drain.stage(conn, "t.kombu", KOMBU_ARGS, kwargs)
+        drain.stage_many(conn, [drain.Job("t.kombu", KOMBU_ARGS, kwargs)] * 2)  # COPY
+    with engine.begin() as sa_conn:
+        drain.stage_many(sa_conn, [drain.Job("t.kombu", KOMBU_ARGS, kwargs)])  # multi-row
+    with psycopg.connect(db_url) as conn:
+        texts = conn.execute("SELECT args::text, kwargs::text FROM staged_jobs").fetchall()
+    assert len(texts) == 4
+    for args_text, kwargs_text in texts:
+        assert loads(args_text) == KOMBU_ARGS
+        assert [type(v) for v in loads(args_text)] == [type(v) for v in KOMBU_ARGS]
+        assert loads(kwargs_text) == kwargs
+
+
+# -- drain_stage() -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("call", "sqlstate", "says"), [
+    ("expires_at => now() + interval '3651 days'", "22023", "more than 3,650 days ahead"),
+    ("expires_at => '2099-01-01'", "22023", "more than 3,650 days ahead"),
+    ("expires_at => 'infinity'", "22008", "expires_at infinity is not a time"),
+    ("expires_at => '-infinity'", "22008", "expires_at -infinity is not a time"),
+    ("not_before => 'infinity'", "22008", "not_before infinity is not a time"),
+    ("not_before => '10000-01-01'", "22008", "not_before 10000-01-01"),
+    ("not_before => '0001-12-31 23:00:00+00 BC'", "22008", "not_before 0001-12-31"),
+], ids=["3651-days", "2099", "infinity", "minus-infinity", "not-before-infinity",
+        "year-10000", "before-year-1"])
+def test_drain_stage_refuses_what_could_never_be_sent(
+    db_url: str, call: str, sqlstate: str, says: str
+) -> None:
+    """As the application's role: the exception fails its statement, so its
+    transaction, as apply_async raising would; nothing is staged."""
+    with psycopg.connect(roles.url(db_url, roles.STAGER)) as conn:
+        with pytest.raises(psycopg.Error, match=re.escape(says)) as raised:
+            conn.execute(f"SELECT drain_stage('t.sql', {call})")
+        assert raised.value.sqlstate == sqlstate
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
+    assert rows(db_url) == []
+
+
+def test_drain_stage_takes_every_time_the_drain_can_send(db_url: str) -> None:
+    with psycopg.connect(roles.url(db_url, roles.STAGER)) as conn:
+        for call in ("expires_at => now() + interval '3649 days'",
+                     "expires_at => '2000-01-01'",  # already expired: dead-lettered
+                     "not_before => '9999-12-31 23:59:59+00'",
+                     "not_before => '0001-01-01 00:00:00+00', expires_at => NULL"):
+            conn.execute(f"SELECT drain_stage('t.sql', {call})")
+    assert len(rows(db_url)) == 4
+
+
+def test_drain_stage_checks_the_limit_drain_limits_names() -> None:
+    """The SQL function's limit is drain.limits's, in seconds."""
+    assert f"interval '{MAX_EXPIRATION_MS // 1000} seconds'" in sql.schema_text()
+
+
+def test_the_stage_command_refuses_an_expiry_beyond_the_brokers_limit(db_url: str) -> None:
+    for flag, value, says in (("--expires", "315400000", "expires for t.cli is more than "
+                               "3,650 days ahead"),
+                              ("--countdown", "1e12", "countdown for t.cli is out of range")):
+        ran = support.run_cli(db_url, "stage", "t.cli", flag, value)
+        assert ran.returncode == 2, ran.stderr
+        assert ran.stderr.startswith(f"drain: error: {says}") and ran.stderr.count("\n") == 1
+    assert rows(db_url) == []

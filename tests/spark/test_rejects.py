@@ -60,7 +60,7 @@ def _partition(key: int) -> int:
          f"kwargs for {TASK} contain a NUL character, which jsonb refuses"),
         (("--args", "score"), 42,
          f"args for {TASK} are not JSON-serialisable: Out of range float values are not JSON "
-         "compliant: nan; convert them to lists, dicts, strings, numbers, booleans or None"),
+         "compliant: nan; jsonb stores no NaN or infinity"),
     ],
     ids=["nul", "nan"],
 )

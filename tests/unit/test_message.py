@@ -12,7 +12,7 @@ import pika
 import pytest
 from celery.utils.saferepr import saferepr
 
-from drain import amqp, message
+from drain import amqp, encoding, message
 
 HEADER_ORDER = [
     "lang", "task", "id", "shadow", "eta", "expires", "group", "group_index", "retries",
@@ -92,6 +92,10 @@ def test_task_repr_equals_celery_saferepr() -> None:
         )
         value = json.loads(json.dumps(value))  # exactly what comes out of jsonb
         assert message.task_repr(value) == saferepr(value, 1024, maxlevels=3), value
+        # an app's own limits (task_repr_maxlevels, amqp.argsrepr_maxsize)
+        maxsize, maxlevels = rng.choice([8, 40, 200, 1024]), rng.randrange(0, 5)
+        assert message.task_repr(value, maxsize, maxlevels) == saferepr(
+            value, maxsize, maxlevels=maxlevels), (value, maxsize, maxlevels)
 
 
 @pytest.mark.parametrize(
@@ -180,6 +184,10 @@ def test_destination_options_encode_as_pika_does() -> None:
             priority=rng.choice([None, 0, 4]), max_priority=rng.choice([0, 10]),
             timelimit=rng.choice([(None, None), (60, 50), (None, 30)]),
             ignore_result=rng.choice([None, True, False]),
+            encoding=rng.choice([encoding.JSON, encoding.Encoding(compression="gzip"),
+                                 encoding.Encoding("pickle", "application/x-python-serialize",
+                                                   "binary", rng.choice([None, "bzip2"]))]),
+            shadow=rng.choice([None, lambda args, kwargs, options: f"s{args[0]}"]),
         )
         row = _row([i], {"k": i}, priority=rng.randrange(-3, 20), tag=rng.choice([None, "t"]))
         fast = builder.build(row, now=1_800_000_000.0, destination=destination)
@@ -193,9 +201,8 @@ def test_destination_options_encode_as_pika_does() -> None:
             destination.exchange, f"rk.{i}", f"q{i}", row.queue)
         assert fast.headers["timelimit"] == list(destination.timelimit)
         assert fast.headers["ignore_result"] is destination.ignore_result
-        if row.priority and destination.max_priority:  # the row's own, clamped
-            assert fast.properties["priority"] == max(0, min(row.priority,
-                                                             destination.max_priority))
+        if row.priority > 0:  # the row's own, as apply_async(priority=...) sends it
+            assert fast.properties["priority"] == row.priority
         else:
             assert fast.properties.get("priority") == destination.priority
 

@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 import datetime as dt
+import decimal
+import subprocess
+import sys
 import uuid
 from typing import Any
 
 import pytest
+from kombu.utils.json import dumps, loads
 
 import drain
 from drain.errors import StagingError, UnsupportedConnection
+from drain.limits import MAX_EXPIRES
+
+
+def _nested(depth: int) -> list[Any]:
+    """A list nested ``depth`` deep: ``[[[...]]]``."""
+    top: list[Any] = []
+    inner = top
+    for _ in range(depth - 1):
+        inner.append([])
+        inner = inner[0]
+    return top
 
 
 class RecordingCursor:
@@ -46,10 +61,16 @@ class RecordingConnection:
         ({"args": {"a": 1}}, "list or tuple"),
         ({"kwargs": [1]}, "must be a dict"),
         ({"kwargs": {1: 2}}, "string keys"),
-        ({"args": [dt.datetime(2026, 1, 1)]}, "not JSON-serialisable"),
-        ({"kwargs": {"x": {1, 2}}}, "not JSON-serialisable"),
-        ({"args": [float("nan")]}, "not JSON-serialisable"),
+        ({"args": [object()]}, "args for t are not JSON-serialisable"),
+        ({"kwargs": {"x": {1, 2}}}, "kwargs for t are not JSON-serialisable"),
+        ({"args": [float("nan")]}, "args for t are not JSON-serialisable: .* NaN"),
+        ({"kwargs": {"x": [float("-inf")]}}, "kwargs for t .* jsonb stores no NaN or infinity"),
         ({"args": ["a\x00b"]}, "NUL"),
+        ({"args": [b"a\x00b"]}, "args for t contain a NUL"),
+        ({"kwargs": {"x": "\ud800"}}, "kwargs for t is not valid Unicode"),
+        ({"args": [_nested(5000)]}, "args for t are nested too deeply"),
+        ({"kwargs": {"x": _nested(5000)}}, "kwargs for t are nested too deeply"),
+        ({"args": [uuid.uuid4(), _nested(5000)]}, "args for t are nested too deeply"),
         ({"queue": ""}, "1 to 255 bytes"),
         ({"queue": "q" * 256}, "1 to 255 bytes"),
         ({"task_id": "not-a-uuid"}, "not a UUID"),
@@ -64,6 +85,17 @@ class RecordingConnection:
         ({"eta": "2030-01-01"}, "must be a datetime"),
         ({"expires": "later"}, "number of seconds"),
         ({"countdown": 1e30}, "out of range"),
+        ({"countdown": 1e12}, "countdown for t is out of range"),
+        ({"countdown": -1e12}, "countdown for t is out of range"),
+        ({"expires": 1e12}, "expires for t is out of range"),
+        ({"eta": dt.datetime.max.replace(tzinfo=dt.timezone(-dt.timedelta(hours=5)))},
+         "eta for t is out of range"),
+        ({"expires": dt.datetime.min.replace(tzinfo=dt.timezone(dt.timedelta(hours=5)))},
+         "expires for t is out of range"),
+        ({"expires": dt.datetime(2099, 1, 1)}, "expires for t is more than 3,650 days ahead"),
+        ({"expires": dt.datetime.max}, "expires for t is more than 3,650 days ahead"),
+        ({"expires": MAX_EXPIRES.total_seconds() + 60},
+         "expires for t is more than 3,650 days ahead"),
     ],
 )
 def test_rejected_before_any_sql(kwargs: dict[str, Any], fragment: str) -> None:
@@ -138,3 +170,76 @@ def test_async_connections_are_refused_not_silently_ignored() -> None:
         drain.stage(AsyncConnection(), "t")
     with pytest.raises(UnsupportedConnection, match="asynchronous"):
         drain.stage_many(AsyncConnection(), [drain.Job("t")])
+
+
+def test_an_expiry_within_the_brokers_limit_is_staged() -> None:
+    conn = RecordingConnection()
+    drain.stage(conn, "t.x", expires=MAX_EXPIRES.total_seconds() - 60)
+    drain.stage(conn, "t.x", expires=dt.datetime.now(dt.timezone.utc) + MAX_EXPIRES
+                - dt.timedelta(minutes=1))
+    drain.stage(conn, "t.x", expires=dt.datetime(2020, 1, 1))  # past: dead-lettered, expired
+    drain.stage(conn, "t.x", eta=dt.datetime.max)  # not before: kept in Postgres, any time
+    assert len(conn.cur.statements) == 4
+
+
+@pytest.mark.parametrize("job", [
+    drain.Job("t.x", expires=dt.datetime(2099, 1, 1)),
+    {"task_name": "t.x", "expires": 400_000_000},
+    drain.Job("t.x", countdown=1e12),
+    drain.Job("t.x", args=[_nested(5000)]),
+], ids=["Job-expires", "mapping-expires", "countdown-overflow", "nested"])
+def test_stage_many_refuses_the_same_before_any_sql(job: Any) -> None:
+    conn = RecordingConnection()
+    with pytest.raises(StagingError, match=r"for t\.x (is|are) "):
+        drain.stage_many(conn, [drain.Job("ok"), job])
+    assert conn.cur.statements == []
+
+
+#: What kombu's JSON encoder carries besides plain JSON (kombu.utils.json).
+KOMBU_VALUES: list[Any] = [
+    uuid.UUID("7d3f0f7e-8f3a-4d51-9a49-1bd9b1b0c2aa"),
+    dt.datetime(2026, 11, 27, 3, 4, 5, 678901, tzinfo=dt.timezone(dt.timedelta(hours=2))),
+    dt.datetime(2026, 11, 27, 3, 4, 5),
+    dt.date(2026, 11, 27),
+    dt.time(3, 4, 5, 6),
+    decimal.Decimal("1.10"),
+    decimal.Decimal("NaN"),
+    b"utf-8 bytes \xc3\xa9",
+    b"\xff\xfe not utf-8",
+    {"nested": [uuid.UUID(int=7), (dt.date(2000, 1, 1),)]},
+]
+
+
+def test_kombus_types_are_encoded_as_kombu_encodes_them() -> None:
+    """Text equal to kombu.utils.json.dumps's, and kombu's decoder gives back the
+    same values, as a worker's kombu does after delay()."""
+    conn = RecordingConnection()
+    drain.stage(conn, "t.x", KOMBU_VALUES, {"when": KOMBU_VALUES[1], "id": KOMBU_VALUES[0]})
+    [(_, params)] = conn.cur.statements
+    assert params["args0"] == dumps(KOMBU_VALUES, ensure_ascii=False)
+    expected = [*KOMBU_VALUES[:-1], {"nested": [uuid.UUID(int=7), [dt.date(2000, 1, 1)]]}]
+    decoded = loads(params["args0"])
+    assert decoded[:6] == expected[:6] and decoded[6].is_nan()
+    assert decoded[7:] == expected[7:]
+    assert [type(v) for v in decoded] == [type(v) for v in expected]
+    assert loads(params["kwargs0"]) == {"when": KOMBU_VALUES[1], "id": KOMBU_VALUES[0]}
+
+
+def test_plain_json_never_imports_kombu() -> None:
+    """drain.stage is on the application's hot path: plain JSON is encoded by the
+    standard library alone; kombu (about 0.1 s to import) loads for its types only."""
+    code = (
+        "import sys, uuid, drain\n"
+        "class C:\n"
+        "    def cursor(self): return self\n"
+        "    def execute(self, s, p=None): pass\n"
+        "    def close(self): pass\n"
+        "drain.stage(C(), 't', [1, 'a', None, 2.5, [True]], {'k': {'x': 'é'}})\n"
+        "drain.stage_many(C(), [drain.Job('t', [1])])\n"
+        "print('kombu' in sys.modules)\n"
+        "drain.stage(C(), 't', [uuid.uuid4()])\n"
+        "print('kombu' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "True"]
