@@ -92,6 +92,10 @@ def test_task_repr_equals_celery_saferepr() -> None:
         )
         value = json.loads(json.dumps(value))  # exactly what comes out of jsonb
         assert message.task_repr(value) == saferepr(value, 1024, maxlevels=3), value
+        # an app's own limits (task_repr_maxlevels, amqp.argsrepr_maxsize)
+        maxsize, maxlevels = rng.choice([8, 40, 200, 1024]), rng.randrange(0, 5)
+        assert message.task_repr(value, maxsize, maxlevels) == saferepr(
+            value, maxsize, maxlevels=maxlevels), (value, maxsize, maxlevels)
 
 
 @pytest.mark.parametrize(
