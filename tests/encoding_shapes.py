@@ -12,9 +12,11 @@ a queue's ``max_priority`` or ``x-max-priority`` argument),
 ``task_create_missing_queue_type`` / ``_exchange_type`` and transient
 (non-durable) queues; and for each row a ``priority`` (none, 0, 1..255 or
 negative) and arguments whose repr the limits cut: long strings, long lists,
-deep nesting, non-ASCII text, and the types kombu's JSON carries (datetime,
-date, time, Decimal, UUID and bytes, whatever the serializer: where it cannot
-carry one, apply_async raises), kept in the spec in kombu's own JSON form
+deep nesting, non-ASCII text, compressible strings above the drain's
+:data:`MAX_MESSAGE_SIZE` (for compressed tasks), the types kombu's JSON
+carries (datetime, date, time, Decimal, UUID and bytes, whatever the
+serializer: where it cannot carry one, apply_async raises), kept in the spec in
+kombu's own JSON form
 (``{"__type__": ..., "__value__": ...}``; :func:`values` gives the Python
 values; :data:`STAGE_KOMBU_TYPES` says how such rows are staged). Dict keys
 are drawn in the order ``jsonb`` keeps them (shorter first), so that a JSON
@@ -46,6 +48,11 @@ STAGE_KOMBU_TYPES = True
 MSGPACK = importlib.util.find_spec("msgpack") is not None
 
 SERIALIZERS = ("json", "json", "pickle", "yaml", "msgpack")
+
+#: The drain's ``--max-message-size`` in the test: a compressible argument above
+#: it must be delivered compressed, as apply_async sends it (issue 25: 17 MB that
+#: gzip makes 17 KB was dead-lettered 'too_large'), not dead-lettered.
+MAX_MESSAGE_SIZE = 64 * 1024
 COMPRESSIONS = ("gzip", "bzip2", "zlib", "lzma")
 
 
@@ -181,10 +188,15 @@ def _priority(rng: random.Random) -> int | None:
     return -rng.randint(1, 50)
 
 
-def dress(rng: random.Random, spec: dict[str, Any]) -> dict[str, Any]:
-    """``spec`` (a routing app) with its encoding drawn from ``rng``."""
+def dress(rng: random.Random, spec: dict[str, Any],
+          big: random.Random | None = None) -> dict[str, Any]:
+    """``spec`` (a routing app) with its encoding drawn from ``rng``; with ``big``
+    (a generator of its own, so that ``rng`` draws what it drew before), rows of
+    compressed tasks get a compressible argument above :data:`MAX_MESSAGE_SIZE`."""
     _settings(rng, spec, spec["tasks"])
     _queues(rng, spec)
+    packed = {t["name"] for t in spec["tasks"]
+              if t["options"].get("compression", spec["settings"].get("task_compression"))}
     for row in spec["rows"]:
         args, kwargs = _extra(rng)
         row["args"] = [*row["args"], *args]
@@ -194,7 +206,20 @@ def dress(rng: random.Random, spec: dict[str, Any]) -> dict[str, Any]:
         priority = _priority(rng)
         if priority is not None and not row.get("unknown"):
             row["priority"] = priority
+        if big is not None and row["task"] in packed and big.random() < 0.15:
+            row["kwargs"] = jsonb_order({**row["kwargs"], "blob": compressible(big)})
     return spec
+
+
+def compressible(rng: random.Random) -> str:
+    """A string 2 to 5 times :data:`MAX_MESSAGE_SIZE` that compresses far below it."""
+    return rng.choice("abc") * rng.randint(2 * MAX_MESSAGE_SIZE, 5 * MAX_MESSAGE_SIZE)
+
+
+def jsonb_order(value: dict[str, Any]) -> dict[str, Any]:
+    """A dict's keys in the order ``jsonb`` keeps them: shorter first, then bytewise."""
+    return dict(sorted(value.items(), key=lambda item: (len(item[0].encode()),
+                                                          item[0].encode())))
 
 
 def bullets(index: int) -> dict[str, Any]:
@@ -229,6 +254,7 @@ def bullets(index: int) -> dict[str, Any]:
     rows = [
         row("enc.pickled", [1]),
         row("enc.pickled", [2, "y" * 2000], priority=5),
+        row("enc.json", [21], kwargs={"n": 9, "blob": "z" * 3 * MAX_MESSAGE_SIZE}),
         row("enc.pickled", [3, deep], kwargs={"n": 1, "deep": deep}, priority=0),
         row("enc.yaml", [4, "é€"], kwargs={"n": 2}),
         row("enc.json", [5, list(range(300))]),
@@ -268,9 +294,9 @@ def bullets(index: int) -> dict[str, Any]:
 
 def generate(seed: int, apps: int) -> list[dict[str, Any]]:
     """:func:`route_shapes.generate`'s apps, dressed, and :func:`bullets`."""
-    rng = random.Random(f"encoding {seed}")
+    rng, big = random.Random(f"encoding {seed}"), random.Random(f"compressible {seed}")
     specs = route_shapes.generate(seed, apps)
-    return [specs[0], *(dress(rng, spec) for spec in specs[1:]), bullets(apps)]
+    return [specs[0], *(dress(rng, spec, big) for spec in specs[1:]), bullets(apps)]
 
 
 def celery_queue(spec: dict[str, Any]) -> tuple[Any, ...]:
@@ -307,4 +333,6 @@ def census(specs: list[dict[str, Any]]) -> dict[str, int]:
                 count("row priority")
             if typed(row):
                 count("kombu types")
+            if "blob" in row["kwargs"]:
+                count("compressible > max message size")
     return dict(sorted(counts.items()))
