@@ -225,3 +225,30 @@ def test_status_names_the_database_it_read_and_no_url_is_refused(db_url: str) ->
         ran = support.run_cli(db_url, *args, env=env)
         assert ran.returncode == 2, ran.stderr
         assert "no database given" in ran.stderr
+
+
+def test_infinite_and_bc_times_are_read_by_every_command(db_url: str) -> None:
+    """Rows staged by plain SQL with times Python cannot hold. Before: `drain dead list
+    --json` crashed on a staged_at of 'infinity' (timestamp too large), `drain status`
+    failed on a not_before of 'infinity' (cannot subtract infinite timestamps), and
+    `drain dead requeue` failed the same way on an 'infinity' expiry."""
+    with psycopg.connect(db_url) as conn:
+        conn.execute(
+            "INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, priority, "
+            "not_before, expires_at, staged_at, reason, detail) VALUES (1, gen_random_uuid(), "
+            "'t.inf', '[]', '{}', 'celery', 0, '-infinity', 'infinity', 'infinity', 'invalid', "
+            "'expires_at ''infinity'' cannot be read')")
+        conn.execute("INSERT INTO staged_jobs (task_name, not_before, staged_at) VALUES "
+                     "('t.never', 'infinity', '0044-03-15 BC'), ('t.due', '-infinity', now())")
+    listed = support.run_cli(db_url, "dead", "list")
+    assert listed.returncode == 0 and "t.inf" in listed.stdout, listed
+    as_json = support.run_cli(db_url, "dead", "list", "--json")
+    assert as_json.returncode == 0, as_json
+    assert json.loads(as_json.stdout)["staged_at"] == "infinity"
+    status = support.run_cli(db_url, "status")
+    assert status.returncode == 0, status
+    refused = support.run_cli(db_url, "dead", "requeue", "--yes")
+    assert refused.returncode == 2 and "infinite expiry" in refused.stderr, refused
+    assert "--expires-in" in refused.stderr
+    done = support.run_cli(db_url, "dead", "requeue", "--yes", "--expires-in", "1h")
+    assert done.returncode == 0 and "requeued 1 job(s)" in done.stdout, done
