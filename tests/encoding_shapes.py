@@ -35,6 +35,7 @@ import random
 import uuid
 from typing import Any
 
+from celery import Signature, signature
 from kombu.utils import json as kombu_json
 
 from tests import route_shapes
@@ -64,6 +65,11 @@ def values(row: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
     """A row's args and kwargs as the application holds them (kombu's types decoded)."""
     return (kombu_json.loads(json.dumps(row["args"])),
             kombu_json.loads(json.dumps(row["kwargs"])))
+
+
+def callback(row: dict[str, Any]) -> Signature:
+    """The row's ``link``: a signature of the callback it names."""
+    return signature(row["link"]["task"], args=row["link"]["args"])
 
 
 def typed(row: dict[str, Any]) -> bool:
@@ -228,7 +234,8 @@ def bullets(index: int) -> dict[str, Any]:
     ``task_repr_maxlevels`` 1 and long arguments; a priority queue and a plain
     one with rows of priority 0, 5, 9 and -2; a transient queue; a missing queue
     made as a quorum queue; kombu's JSON types, with pickle, json, yaml and
-    msgpack, and with yaml and msgpack where they cannot carry them."""
+    msgpack, and with yaml and msgpack where they cannot carry them; rows staged
+    as signatures with a ``link`` callback, with each serializer."""
     name = f"enc{index}"
     prio = {"name": f"prio{index}", "max_priority": 5}
     transient = {"name": f"transient{index}", "durable": False}
@@ -267,6 +274,12 @@ def bullets(index: int) -> dict[str, Any]:
         row("enc.transient", [13]),
         {**row("enc.pickled", [14]), "queue": f"made{index}"},
     ]
+    # Callbacks (staged as signatures): the same body with json and msgpack; with
+    # pickle a known difference; yaml cannot carry a Signature (apply_async raises).
+    link = {"task": "enc.json", "args": [1, "cb"]}
+    rows += [row("enc.json", [22], kwargs={"n": 10}, link=link),
+             row("enc.pickled", [23], link=link, known="pickled callbacks"),
+             row("enc.yaml", [24], link=link, known="callbacks with yaml")]
     rows += [row("enc.pickled", [15, *typed[:3]], kwargs={"n": 5, "when": typed[3]}),
              row("enc.json", [16, *typed[3:]], kwargs={"n": 6, "when": typed[0]}),
              row("enc.yaml", [18, typed[0], typed[1], typed[5]]),  # yaml carries these
@@ -274,7 +287,7 @@ def bullets(index: int) -> dict[str, Any]:
     if MSGPACK:
         tasks.append({"name": "enc.msgpack", "options": {"serializer": "msgpack",
                                                          "compression": "zlib"}})
-        rows += [row("enc.msgpack", [17, "é", typed[5]], kwargs={"n": 7}),
+        rows += [row("enc.msgpack", [17, "é", typed[5]], kwargs={"n": 7}, link=link),
                  row("enc.msgpack", [20, typed[4]])]  # a UUID: invalid
     return {
         "name": name,
