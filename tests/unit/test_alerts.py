@@ -37,6 +37,7 @@ CONTRACT_COUNTERS = {
     "drain_unroutable_total",
     "drain_nacked_total",
     "drain_publish_refused_total",
+    "drain_declare_refused_total",
     "drain_reconnects_total",
     "drain_unsettled_rows_total",
     "drain_conflicted_rows_total",
