@@ -57,7 +57,6 @@ class Encoding:
     compression: str | None = None
 
 
-
 JSON = Encoding()
 
 
