@@ -265,7 +265,9 @@ $$;
 
 -- Jobs that will never be published, with the reason: 'expired' (expires_at
 -- passed while staged), 'too_large' (over the broker's max_message_size),
--- 'invalid' (cannot become a Celery message), 'unknown_task' (`drain run
+-- 'invalid' (cannot become a Celery message: its app's serializer cannot
+-- encode it, or an expires_at that is infinite, past year 9999 or more than
+-- 3,650 days ahead, staged by a plain INSERT), 'unknown_task' (`drain run
 -- --app`: the app registers no such task), 'refused' (the broker refused its
 -- publish, e.g. 404 no exchange). `drain dead list / requeue /
 -- purge` manage them. Unroutable messages are not dead-lettered: their rows
