@@ -413,6 +413,22 @@ CREATE TABLE IF NOT EXISTS drain_backfill_ledger (
     PRIMARY KEY (backfill_id, partition)
 );
 
+-- One row per backfill id, claimed (INSERT ... ON CONFLICT DO NOTHING) by the
+-- first driver before any partition is: what the partitioning of its records
+-- depends on. Every later run of the id is compared with it, so that two
+-- drivers, or a resume after the key's type changed, cannot put one record in
+-- two partitions (docs/spark.md, "Re-runs"). The role running backfills needs
+-- SELECT, INSERT on it.
+CREATE TABLE IF NOT EXISTS drain_backfills (
+    backfill_id  text        PRIMARY KEY,
+    partitions   integer     NOT NULL,
+    hash_version integer     NOT NULL,
+    key_expr     text        NOT NULL,
+    key_type     text        NOT NULL,
+    key_identity text        NOT NULL,
+    created_at   timestamptz NOT NULL DEFAULT now()
+);
+
 -- One row per Spark attempt at a backfill partition, written outside the
 -- partition's transaction so that attempts which stage nothing (a task retried
 -- after a failure, a speculative copy, an attempt that finds its partition

@@ -44,8 +44,8 @@ def main() -> int:
             whole = os.path.join(tmp, "whole.parquet")
             only = os.path.join(tmp, "only.parquet")
             spark.range(0, n).write.parquet(whole)
-            spark.read.parquet(whole).filter(f"pmod(hash(id), {parts}) = {missing}") \
-                .write.parquet(only)
+            spark.read.parquet(whole).filter(  # drain.spark.mapping.partition_of
+                f"pmod(hash(CAST(id AS string)), {parts}) = {missing}").write.parquet(only)
             expected = spark.read.parquet(only).count()
 
             def run(path: str, run_id: str) -> tuple[float, int]:

@@ -360,7 +360,8 @@ def _json_arg(flag: str, text: str) -> Any:
 
 #: What a command's role needs, said when the database refuses it something.
 _BACKFILL_GRANT = ("a backfill's role needs INSERT on staged_jobs and SELECT, INSERT, UPDATE "
-                   "on drain_backfill_ledger and drain_backfill_attempts")
+                   "on drain_backfill_ledger and drain_backfill_attempts, SELECT, INSERT on "
+                   "drain_backfills")
 _NEEDS = {"run": session.RUNNER_GRANT, "status": session.RUNNER_GRANT,
           "migrate": "run `drain migrate` as the role that owns the tables",
           "backfill": _BACKFILL_GRANT, "reconcile": _BACKFILL_GRANT}

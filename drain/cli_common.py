@@ -27,6 +27,7 @@ from drain.errors import (
     ConfigError,
     DatabaseUnavailable,
     DrainError,
+    PartitioningChanged,
     PermissionDenied,
     SchemaMissing,
     StagingError,
@@ -44,11 +45,13 @@ class Exit(enum.IntEnum):
     UNAVAILABLE = 3  #: Postgres or RabbitMQ cannot be reached or refused us
     SCHEMA = 4  #: staged_jobs is missing: run `drain migrate`
     PRIVILEGE = 5  #: the database role lacks a grant (README, "Database roles")
+    PARTITIONING = 6  #: a backfill resume would partition its records differently
 
 
 #: Which exit code an error that ends a command gets: the first that fits.
 EXIT_CODES: Sequence[tuple[type[BaseException], Exit]] = (
     (SchemaMissing, Exit.SCHEMA),
+    (PartitioningChanged, Exit.PARTITIONING),
     (PermissionDenied, Exit.PRIVILEGE),
     (DatabaseUnavailable, Exit.UNAVAILABLE),
     (BrokerUnavailable, Exit.UNAVAILABLE),

@@ -37,6 +37,12 @@ class PermissionDenied(DrainError):
     the command runs as lacks a grant. No retry can fix that: fatal, exit code 5."""
 
 
+class PartitioningChanged(DrainError):
+    """A backfill id's resume would put its records in other partitions than its first
+    run did (the key, its type or the hash changed): staging would duplicate and lose
+    records, so it is refused (exit 6)."""
+
+
 class SchemaMissing(DrainError):
     """The database has no ``staged_jobs`` table: run ``drain migrate`` first."""
 

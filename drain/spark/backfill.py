@@ -13,9 +13,12 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from drain.errors import ConfigError
+import psycopg
+
+from drain.errors import ConfigError, DrainError
 from drain.spark import ledger, progress, rejects, writer
 from drain.spark import mapping as mapping_
+from drain.url_parts import first_line
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -39,6 +42,9 @@ class Options:
     run_id: str
     #: Fixed for a backfill id: a record's partition is hash(key) mod this count.
     partitions: int = 8
+    #: The user chose ``partitions`` (--partitions): a run of an id started with another
+    #: count is refused; otherwise it adopts the id's count.
+    partitions_explicit: bool = True
     #: A Spark SQL condition on the source's records.
     where: str | None = None
     progress: bool = False
@@ -102,15 +108,47 @@ def plan(df: DataFrame, m: mapping_.Mapping, options: Options) -> DataFrame:
     return mapping_.jobs(df, m, options.run_id, options.partitions)
 
 
+def partitioning(df: DataFrame, m: mapping_.Mapping, partitions: int) -> ledger.Partitioning:
+    """What the partitioning of ``df``'s records by ``m.key`` depends on."""
+    from pyspark.sql import functions as F  # noqa: PLC0415
+
+    key_type = df.select(F.expr(m.key)).schema.fields[0].dataType.simpleString()
+    return ledger.Partitioning(partitions, m.key, key_type)
+
+
 def dry_run(df: DataFrame, m: mapping_.Mapping, options: Options, sample: int) -> dict[str, Any]:
-    """How many jobs a run would stage, and the first ``sample`` of them (by key)."""
+    """How many jobs a run would stage given the ledger (the partitions committed by
+    earlier runs of the id are skipped), and the first ``sample`` of them (by key)."""
     check(m, options)
+    unread = None
+    try:
+        recorded, state = ledger.recorded_state(options.database_url, options.run_id)
+    except (DrainError, psycopg.Error) as exc:  # a dry run works without the ledger
+        recorded, state, unread = None, ledger.LedgerState(None, 0), first_line(exc)
+    if recorded is not None and not options.partitions_explicit:
+        options = dataclasses.replace(options, partitions=recorded.partitions)
+    elif recorded is None and state.partitions is not None:
+        options = dataclasses.replace(options, partitions=state.partitions)
+    if options.where:
+        df = df.filter(options.where)
+        options = dataclasses.replace(options, where=None)
+    if recorded is not None:  # what a run would refuse, the dry run refuses too
+        ledger.check_resume(options.run_id, recorded, partitioning(df, m, options.partitions),
+                            options.partitions_explicit, state)
+    complete = state.partitions is not None and state.committed >= state.partitions
+    if recorded is None and state.indexes and not complete:
+        raise ledger.unrecorded(options.run_id, state)
+    df = mapping_.without_partitions(df, m, options.partitions, state.indexes)
     jobs = plan(df, m, options)
-    rows = jobs.orderBy("_key").limit(sample).collect() if sample > 0 else []
+    rows = jobs.orderBy("_key").limit(sample).collect() if sample > 0 and not complete else []
     return {
         "backfill_id": options.run_id,
-        "count": jobs.count(),
+        "count": 0 if complete else jobs.count(),
         "partitions": options.partitions,
+        "committed_partitions": state.committed,
+        "committed_rows": state.rows,
+        #: Why the ledger could not be read (the count then assumes nothing committed).
+        "ledger_unread": unread,
         "sample": [
             {
                 "task_id": r["task_id"], "task_name": m.task_name,
@@ -127,15 +165,18 @@ def run(spark: SparkSession, df: DataFrame, m: mapping_.Mapping, options: Option
     """Stage one job per record of ``df``; safe to re-run with the same id."""
     started = time.monotonic()
     check(m, options)
-    state = ledger.prepare(options.database_url, options.run_id, options.partitions)
+    if options.where:
+        df = df.filter(options.where)
+    actual, state = ledger.prepare(options.database_url, options.run_id,
+                                   partitioning(df, m, options.partitions),
+                                   explicit=options.partitions_explicit)
+    options = dataclasses.replace(options, partitions=actual.partitions, where=None)
     if state.committed >= options.partitions:
         summary = writer.WriteSummary(
             run_id=options.run_id, partitions=options.partitions, rows=0, written=0,
             skipped_earlier_run=state.committed, retried_after_commit=0, seconds=0.0,
         )
         return Result(summary, already_complete=True, seconds=time.monotonic() - started)
-    if options.where:
-        df = df.filter(options.where)
     # A resume: the committed partitions' records go no further than the read.
     df = mapping_.without_partitions(df, m, options.partitions, state.indexes)
     df, rejected = rejects.check(df, m, options.partitions, options.rejects_file)

@@ -255,7 +255,8 @@ def cmd_backfill(args: argparse.Namespace) -> int:
     backfill.check(m, options)  # before Spark starts
     with _spark(args, "drain backfill") as spark:
         options = dataclasses.replace(
-            options, partitions=_partitions(args, run_id, spark), progress=_progress(args, spark)
+            options, partitions=_partitions(args, run_id, spark), progress=_progress(args, spark),
+            partitions_explicit=args.partitions is not None,
         )
         df = _read(spark, args)
         if args.dry_run:
@@ -272,8 +273,14 @@ def _print_dry_run(plan: dict[str, Any], as_json: bool) -> None:
         print(json.dumps({"dry_run": True, **plan}, sort_keys=True, default=str))
         return
     shown = len(plan["sample"])
+    committed = plan["committed_partitions"]
+    earlier = (f" ({committed} committed by earlier runs with {plan['committed_rows']:,} "
+               "job(s), skipped)") if committed else ""
+    if plan["ledger_unread"]:
+        earlier = f" (the ledger was not read: {plan['ledger_unread']})"
     print(f"dry run: backfill {plan['backfill_id']!r} would stage {plan['count']:,} job(s) in "
-          f"{plan['partitions']} partitions" + (f"; the first {shown} by key:" if shown else ""))
+          f"{plan['partitions']} partitions{earlier}"
+          + (f"; the first {shown} by key:" if shown else ""))
     for job in plan["sample"]:
         print("  " + json.dumps(job, sort_keys=True, default=str))
 
@@ -321,6 +328,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
                 options = dataclasses.replace(
                     options, partitions=_partitions(args, options.run_id, spark),
                     progress=_progress(args, spark),
+                    partitions_explicit=args.partitions is not None,
                 )
                 result = backfill.run(spark, fixes, m, options)
                 rep["staged"] = {**result.as_dict(), "tag": m.tag, "task": m.task_name}

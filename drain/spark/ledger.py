@@ -4,6 +4,12 @@
   partition's own transaction (:mod:`drain.spark.writer`). The driver reads it
   before a run: the partition count an id was started with, and which
   partitions are committed already (a re-run skips them before any shuffle).
+* ``drain_backfills``: one row per backfill id, claimed by the first driver
+  before any partition is (``INSERT ... ON CONFLICT DO NOTHING``): what the
+  partitioning depends on (:class:`Partitioning`). Every later run compares
+  itself with it (:func:`prepare`): a second driver adopts its partition count
+  (or is refused, when ``--partitions`` says another), and a resume whose
+  records would land in other partitions is refused (PartitioningChanged).
 * ``drain_backfill_attempts``: one row per Spark attempt at a partition,
   written outside that transaction, so that an attempt which staged nothing
   is on record too: a task Spark retried after a failure, a speculative copy,
@@ -22,11 +28,19 @@ from typing import Any
 
 import psycopg
 
-from drain.errors import ConfigError, DatabaseUnavailable, SchemaMissing
+from drain.errors import ConfigError, DatabaseUnavailable, PartitioningChanged, SchemaMissing
 from drain.url_parts import first_line
 from drain.urls import mask_database_url
 
 LEDGER = "drain_backfill_ledger"
+BACKFILLS = "drain_backfills"
+
+#: How a record's partition is computed: 2 = ``pmod(murmur3(cast(key as string)), n)``
+#: (:func:`drain.spark.mapping.partition_of`). 1 was murmur3 of the key in its Spark
+#: type (int and bigint hash differently); ledgers of version 1 were not recorded in
+#: drain_backfills.
+HASH_VERSION = 2
+_INTEGRAL = ("tinyint", "smallint", "int", "bigint")
 ATTEMPTS = "drain_backfill_attempts"
 
 COMMITTED = "committed"
@@ -53,6 +67,33 @@ class LedgerState:
     def committed(self) -> int:
         """How many partitions are committed."""
         return len(self.indexes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Partitioning:
+    """What a backfill id's partitioning depends on (its drain_backfills row)."""
+
+    partitions: int
+    #: The mapping's key expression (``--key``).
+    key: str
+    #: The key's Spark type (``int``, ``bigint``, ``string``, ``decimal(10,2)``...).
+    key_type: str
+    hash_version: int = HASH_VERSION
+
+    @property
+    def identity(self) -> str:
+        """The key's canonical type: two runs whose identities are equal give a record
+        the same text (its task id) and so the same partition. ``integer`` for every
+        integral type and decimal(p,0) (their text is the digits); any other type is
+        its own (a string, a date, a decimal with a scale, a double...)."""
+        return key_identity(self.key_type)
+
+
+def key_identity(key_type: str) -> str:
+    """:attr:`Partitioning.identity` of a Spark type's simpleString."""
+    if key_type in _INTEGRAL or (key_type.startswith("decimal(") and key_type.endswith(",0)")):
+        return "integer"
+    return key_type
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,33 +148,112 @@ def connect(database_url: str, purpose: str) -> psycopg.Connection[tuple[Any, ..
         ) from None
 
 
-def prepare(database_url: str, run_id: str, partitions: int) -> LedgerState:
-    """Check the schema (staged_jobs, the ledger and the attempts, from `drain migrate`)
-    and ``partitions`` against an earlier run of ``run_id`` (a different count would
-    re-assign rows)."""
+def prepare(database_url: str, run_id: str, wanted: Partitioning, *,
+            explicit: bool = True) -> tuple[Partitioning, LedgerState]:
+    """Check the schema (from `drain migrate`), then claim ``run_id``'s partitioning, or
+    compare ``wanted`` with the one its first run claimed; what to run with.
+
+    A different partition count is adopted (``explicit``: refused, ConfigError); a
+    different key, key identity or hash version is refused (PartitioningChanged).
+    """
     with connect(database_url, "drain spark") as conn:
-        missing = [
-            name for name in ("staged_jobs", LEDGER, ATTEMPTS)
-            if not _exists(conn, name)
-        ]
-        if "staged_jobs" in missing:
-            raise SchemaMissing(
-                f"database {mask_database_url(database_url)} has no staged_jobs table: "
-                "run `drain migrate` first"
-            )
-        if missing:
-            raise SchemaMissing(
-                f"database {mask_database_url(database_url)} has an older drain schema "
-                f"(no {missing[0]} table): run `drain migrate`"
-            )
+        _check_schema(conn, database_url)
         state = ledger_state(conn, run_id)
-    if state.partitions is not None and state.partitions != partitions:
+        recorded = _recorded(conn, run_id)
+        if recorded is None and state.indexes:
+            # Committed by a drain that did not record its partitioning (hash version 1).
+            if state.partitions is not None and state.committed >= state.partitions:
+                return dataclasses.replace(wanted, partitions=state.partitions,
+                                           hash_version=1), state
+            raise unrecorded(run_id, state)
+        if recorded is None:
+            conn.execute(
+                "INSERT INTO drain_backfills (backfill_id, partitions, hash_version, key_expr, "
+                "key_type, key_identity) VALUES (%s, %s, %s, %s, %s, %s) "
+                "ON CONFLICT (backfill_id) DO NOTHING",
+                (run_id, wanted.partitions, wanted.hash_version, wanted.key, wanted.key_type,
+                 wanted.identity),
+            )
+            recorded = _recorded(conn, run_id)
+            assert recorded is not None
+            state = ledger_state(conn, run_id)
+    check_resume(run_id, recorded, wanted, explicit, state)
+    return dataclasses.replace(wanted, partitions=recorded.partitions), state
+
+
+def unrecorded(run_id: str, state: LedgerState) -> PartitioningChanged:
+    """The refusal of a resume of an id whose partitioning was not recorded."""
+    return PartitioningChanged(
+        f"backfill id {run_id!r} was started by an older drain that did not record "
+        f"its partitioning ({state.committed} of {state.partitions} partitions "
+        "committed, hash version 1): finish it with that drain version, or use a "
+        "new --id (records staged under both ids get different task ids)"
+    )
+
+
+def check_resume(run_id: str, recorded: Partitioning, wanted: Partitioning, explicit: bool,
+                 state: LedgerState) -> None:
+    """Refuse ``wanted`` where it differs from the id's ``recorded`` partitioning (see
+    :func:`prepare`). A complete id stages nothing whatever its key is now: only an
+    explicit count is compared then."""
+    if state.partitions is not None and state.committed >= state.partitions:
+        wanted = dataclasses.replace(recorded, partitions=wanted.partitions)
+    if recorded.partitions != wanted.partitions and explicit:
         raise ConfigError(
-            f"backfill id {run_id!r} was started with {state.partitions} partitions "
-            f"({state.committed} committed): re-run it with --partitions {state.partitions} "
-            "(rows are assigned to partitions by their key modulo the count), or use a new id"
+            f"backfill id {run_id!r} was started with {recorded.partitions} partitions "
+            f"({state.committed} committed): re-run it with --partitions "
+            f"{recorded.partitions} (rows are assigned to partitions by their key modulo "
+            "the count), or use a new id"
         )
-    return state
+    what = ""
+    if recorded.hash_version != wanted.hash_version:
+        what = (f"with partition hash version {recorded.hash_version}, this drain has "
+                f"{wanted.hash_version}")
+    elif recorded.key != wanted.key:
+        what = f"with key {recorded.key!r}, this run's is {wanted.key!r}"
+    elif recorded.identity != wanted.identity:
+        what = (f"with a key of type {recorded.key_type}, it is {wanted.key_type} now "
+                "(only a change between integral types keeps a key's text)")
+    if what:
+        raise PartitioningChanged(
+            f"backfill id {run_id!r} was started {what}: its records would get other "
+            f"partitions or task ids ({state.committed} partitions committed), so nothing "
+            "was staged; restore the key, or use a new --id"
+        )
+
+
+def _recorded(conn: psycopg.Connection[tuple[Any, ...]], run_id: str) -> Partitioning | None:
+    row = conn.execute(
+        "SELECT partitions, key_expr, key_type, hash_version FROM drain_backfills "
+        "WHERE backfill_id = %s", (run_id,),
+    ).fetchone()
+    return None if row is None else Partitioning(int(row[0]), row[1], row[2], int(row[3]))
+
+
+def _check_schema(conn: psycopg.Connection[tuple[Any, ...]], database_url: str) -> None:
+    missing = [
+        name for name in ("staged_jobs", LEDGER, ATTEMPTS, BACKFILLS)
+        if not _exists(conn, name)
+    ]
+    if "staged_jobs" in missing:
+        raise SchemaMissing(
+            f"database {mask_database_url(database_url)} has no staged_jobs table: "
+            "run `drain migrate` first"
+        )
+    if missing:
+        raise SchemaMissing(
+            f"database {mask_database_url(database_url)} has an older drain schema "
+            f"(no {missing[0]} table): run `drain migrate`"
+        )
+
+
+def recorded_state(database_url: str, run_id: str) -> tuple[Partitioning | None, LedgerState]:
+    """What the ledger holds for ``run_id`` without claiming anything (a dry run); an
+    empty state when the schema has no ledger yet."""
+    with connect(database_url, "drain spark") as conn:
+        if not all(_exists(conn, name) for name in (LEDGER, BACKFILLS)):
+            return None, LedgerState(None, 0)
+        return _recorded(conn, run_id), ledger_state(conn, run_id)
 
 
 def _exists(conn: psycopg.Connection[tuple[Any, ...]], table: str) -> bool:
@@ -143,10 +263,8 @@ def _exists(conn: psycopg.Connection[tuple[Any, ...]], table: str) -> bool:
 
 def earlier_partitions(database_url: str, run_id: str) -> int | None:
     """The partition count an earlier run of ``run_id`` used (None: no earlier run)."""
-    with connect(database_url, "drain spark") as conn:
-        if not _exists(conn, LEDGER):
-            return None
-        return ledger_state(conn, run_id).partitions
+    recorded, state = recorded_state(database_url, run_id)
+    return recorded.partitions if recorded is not None else state.partitions
 
 
 def ledger_state(conn: psycopg.Connection[tuple[Any, ...]], run_id: str) -> LedgerState:

@@ -103,13 +103,15 @@ def validate_run_id(run_id: str) -> None:
 
 
 def partition_of(key: Column, partitions: int) -> Column:
-    """The partition a record's key belongs to: ``pmod(murmur3(key), partitions)``, the
-    partition ``repartition(partitions, key)`` sends it to. Every place that names a
-    record's partition (the writer's check, a resume's skip, the counts, the
-    rejects) takes it from here, so they cannot disagree."""
+    """The partition a record's key belongs to: ``pmod(murmur3(cast(key as string)),
+    partitions)`` (hash version 2, :data:`drain.spark.ledger.HASH_VERSION`), the
+    partition :func:`jobs` sends it to. A function of the key's text, which is also
+    what its task id is made of: an int key that becomes a bigint keeps its partition.
+    Every place that names a record's partition (the writer's check, a resume's skip,
+    the counts, the rejects) takes it from here, so they cannot disagree."""
     from pyspark.sql import functions as F  # noqa: PLC0415 - pyspark is optional
 
-    return F.pmod(F.hash(key), F.lit(partitions))
+    return F.pmod(F.hash(key.cast("string")), F.lit(partitions))
 
 
 def without_partitions(
@@ -155,7 +157,8 @@ def jobs(
     if partitions is None:
         partitioned, bucket = keyed, F.lit(None).cast("int")
     else:
-        partitioned = keyed.repartition(partitions, "_key")
+        # Spark's hash partitioning is pmod(murmur3(...), n): partition_of's.
+        partitioned = keyed.repartition(partitions, F.col("_key").cast("string"))
         bucket = partition_of(F.col("_key"), partitions)
     return partitioned.select(
         F.col("_key"),

@@ -1,13 +1,13 @@
-"""The idempotent per-partition writer: COPY into staged_jobs plus a ledger row, in one
+"""The idempotent per-partition writer: COPY into staged_jobs and a ledger row, in one
 transaction.
 
-The jobs are hash-partitioned on their key into a fixed number of partitions
-(``repartition(n, key)``: partition ``pmod(murmur3(key), n)``), so a given
-record always lands in the same partition, on a Spark task retry (which
-re-runs the same partition index over the same shuffle output) and on a whole
-re-run of the backfill. Every row carries the partition it was assigned to
-(``_bucket``, computed with the same hash) and the writer checks it: if the
-partitioning ever differed, the partition fails instead of staging rows twice.
+The jobs are hash-partitioned on their key's text into a fixed number of
+partitions (partition ``pmod(murmur3(cast(key as string)), n)``:
+:func:`drain.spark.mapping.partition_of`), so a given record always lands in
+the same partition: on a Spark task retry (the same partition index over the
+same shuffle output) and on a re-run, even if its key went from int to bigint.
+Every row carries its partition (``_bucket``, the same hash) and the writer
+checks it: if the partitioning ever differed, the partition fails instead.
 
 Each partition, on an executor, records its attempt in
 ``drain_backfill_attempts`` (:mod:`drain.spark.ledger`; outside the
