@@ -182,6 +182,9 @@ def test_rerun_with_the_same_id_stages_only_what_never_committed(
 
     argv = ("backfill", "--database-url", db_url, "--source", f"parquet:{path}", "--task", TASK,
             "--kwargs", "annotation_id=id", "--tag", "backfill.rerun", "--id", "rerun")
+    # --dry-run counts what the run would stage given the ledger (before: all 600).
+    dry = helpers.run_json(capsys, *argv, "--dry-run", "--sample", "0")
+    assert (dry["count"], dry["committed_partitions"]) == (600 - sum(committed.values()), 3)
     second = helpers.run_json(capsys, *argv)  # --partitions: the ledger's 4
     assert second["partitions"] == 4
     assert (second["written"], second["skipped_earlier_run"]) == (1, 3)
@@ -198,6 +201,9 @@ def test_rerun_with_the_same_id_stages_only_what_never_committed(
     code, out, _ = helpers.run(capsys, *argv)
     assert code == 0
     assert "already complete" in out
+    code, out, _ = helpers.run(capsys, *argv, "--dry-run")
+    assert (code, out) == (0, "dry run: backfill 'rerun' would stage 0 job(s) in 4 partitions "
+                              "(4 committed by earlier runs with 600 job(s), skipped)\n")
 
 
 def test_rerun_with_another_partition_count_is_refused(
@@ -219,7 +225,7 @@ def test_rerun_with_another_partition_count_is_refused(
 def test_rows_in_the_wrong_partition_fail_instead_of_being_staged(
     spark: SparkSession, db_url: str, arrow: bool
 ) -> None:
-    ledger.prepare(db_url, "misplaced", 4)
+    ledger.prepare(db_url, "misplaced", ledger.Partitioning(4, "id", "bigint"))
     jobs = mapping.jobs(spark.range(0, 200), M, "misplaced", 4).repartition(4)  # round robin
     config = writer.WriterConfig(db_url, "misplaced", 4, run_token=str(uuid.uuid4()))
     with pytest.raises(DrainError, match=r"PartitioningError: a row of partition \d reached "
@@ -233,7 +239,7 @@ def test_rows_in_the_wrong_partition_fail_instead_of_being_staged(
 def test_a_partition_receiving_fewer_records_than_counted_commits_nothing(
     spark: SparkSession, db_url: str, arrow: bool
 ) -> None:
-    ledger.prepare(db_url, "short", 4)
+    ledger.prepare(db_url, "short", ledger.Partitioning(4, "id", "bigint"))
     df = spark.range(0, 200)
     expected = writer.expected_rows(df, M.key, 4)
     assert sum(expected.values()) == 200
@@ -327,7 +333,7 @@ def test_partition_whose_feeding_executor_died_is_rolled_back(
 ) -> None:
     """An input cut short by a dead executor JVM looks complete: the writer sees its
     parent chain change (reparented children) and does not commit."""
-    ledger.prepare(db_url, "fed", 1)
+    ledger.prepare(db_url, "fed", ledger.Partitioning(1, "id", "bigint"))
     config = writer.WriterConfig(db_url, "fed", 1, run_token=str(uuid.uuid4()))
     lines = [
         f"{mapping.task_id_for('fed', str(k))},\"{TASK}\",\"[]\",\"{{}}\",\"celery\",-10,"

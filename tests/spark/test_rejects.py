@@ -49,7 +49,7 @@ def _partition(key: int) -> int:
 
     spark = SparkSession.getActiveSession()
     assert spark is not None
-    row = spark.sql(f"SELECT pmod(hash(CAST({key} AS bigint)), 4) AS p").collect()[0]
+    row = spark.sql(f"SELECT pmod(hash(CAST({key} AS string)), 4) AS p").collect()[0]
     return int(row["p"])
 
 
