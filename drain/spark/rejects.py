@@ -44,14 +44,13 @@ def reason(df: DataFrame, m: mapping_.Mapping) -> Column | None:
     from pyspark.sql import functions as F  # noqa: PLC0415
 
     checks: list[Column] = []
-    keyed = df.withColumn("_key", F.expr(m.key))
     for what, json_text, values in (
-        ("args", mapping_.args_json(keyed, m), _values(m.args, m.args_expr)),
-        ("kwargs", mapping_.kwargs_json(keyed, m), _values(m.kwargs, m.kwargs_expr)),
+        ("args", mapping_.args_json(df, m), _values(m.args, m.args_expr)),
+        ("kwargs", mapping_.kwargs_json(df, m), _values(m.kwargs, m.kwargs_expr)),
     ):
         if not values:
             continue
-        types = [keyed.select(F.expr(v)).schema.fields[0].dataType for v in values]
+        types = [df.select(F.expr(v)).schema.fields[0].dataType for v in values]
         if any("string" in t.simpleString() for t in types):
             checks.append(F.when(
                 json_text.rlike(JSON_NUL),
