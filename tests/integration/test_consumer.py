@@ -9,7 +9,9 @@
 * purge() deletes only rows older than the cutoff, in batches that are
   separate DELETE statements in separate transactions (logged by a trigger),
   and refuses to commit a caller's open transaction.
-* claim() and purge() work on SQLAlchemy connections and sessions too.
+* claim() and purge() work on SQLAlchemy connections and sessions too;
+  claim() refuses SQLAlchemy AUTOCOMMIT and Django's connection outside
+  atomic(), where its record would commit before the work.
 * effectively_once() runs a task body once per task id with its writes in the
   claim's transaction, skips (and logs, and calls on_skip for) a repeat, rolls
   the claim back with a failing body, and refuses a connection that is
@@ -32,7 +34,12 @@ import pytest
 import sqlalchemy
 from sqlalchemy.orm import Session
 
-from drain.consumer import ConsumerError, claim, effectively_once, purge
+from drain.consumer import (
+    ConsumerError,
+    claim,
+    effectively_once,
+    purge,
+)
 from tests import support
 
 
@@ -373,3 +380,57 @@ def test_a_closed_connection_is_refused(db_url: str) -> None:
     body = effectively_once(lambda: conn)(lambda task, conn: "ran")
     with pytest.raises(ConsumerError, match="closed connection"):
         body(fake_task(uuid.uuid4()))
+
+
+# -- refusals: what would lose a job -------------------------------------------------
+
+
+def test_claim_refuses_sqlalchemy_autocommit(db_url: str) -> None:
+    """Before: claim() returned True and its row was committed at once, so a
+    rollback of the work left it behind and the redelivery skipped the work."""
+    url = db_url.replace("postgresql://", "postgresql+psycopg://", 1)
+    auto = sqlalchemy.create_engine(url, isolation_level="AUTOCOMMIT")
+    plain = sqlalchemy.create_engine(url)
+    try:
+        with auto.connect() as conn, pytest.raises(ConsumerError, match="AUTOCOMMIT mode"):
+            claim(conn, uuid.uuid4())
+        with auto.connect() as conn, conn.begin(), pytest.raises(ConsumerError, match="AUTOCOMMIT"):
+            claim(conn, uuid.uuid4())  # begin() opens no database transaction there
+        with Session(auto) as session, pytest.raises(ConsumerError, match="AUTOCOMMIT"):
+            claim(session, uuid.uuid4())
+        with plain.connect() as conn:
+            per_connection = conn.execution_options(isolation_level="AUTOCOMMIT")
+            with pytest.raises(ConsumerError, match="AUTOCOMMIT"):
+                claim(per_connection, uuid.uuid4())
+        assert processed(db_url) == set()
+        kept = uuid.uuid4()
+        with plain.connect() as conn:  # the ordinary way still works
+            assert claim(conn, kept) is True
+            conn.rollback()
+            assert claim(conn, kept) is True
+            conn.commit()
+    finally:
+        auto.dispose()
+        plain.dispose()
+    assert processed(db_url) == {kept}
+
+
+def test_claim_refuses_django_outside_atomic(django_db: str) -> None:
+    """Before: claim(connection, id) outside atomic() committed its row on its own."""
+    from django.db import connection, transaction
+
+    refused, kept, rolled_back = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    with pytest.raises(ConsumerError, match=r"outside transaction\.atomic\(\)"):
+        claim(connection, refused)
+    with connection.cursor() as cursor, pytest.raises(ConsumerError, match="atomic"):
+        claim(cursor, refused)
+    with transaction.atomic():
+        assert claim(connection, kept) is True
+    with contextlib.suppress(RuntimeError), transaction.atomic():
+        assert claim(connection, rolled_back) is True
+        raise RuntimeError("the work failed")
+    with transaction.atomic(), connection.cursor() as cursor:
+        assert claim(cursor, kept) is False
+        assert claim(cursor, rolled_back) is True  # the redelivery does the work
+    assert processed(django_db) >= {kept, rolled_back}
+    assert refused not in processed(django_db)
