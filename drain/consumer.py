@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PURGE_BATCH_SIZE",
+    "AbortedTransactionError",
     "ConsumerError",
     "TaskLike",
     "claim",
@@ -93,6 +94,15 @@ _PURGE_SQL = (
     "WHERE processed_at < now() - make_interval(secs => CAST(%(seconds)s AS double precision)) "
     "ORDER BY processed_at LIMIT %(batch_size)s)"
 )
+
+
+class AbortedTransactionError(ConsumerError):
+    """An effectively_once body returned, but an error it caught had aborted the transaction.
+
+    Committing would have rolled back the claim and every write of the task
+    while the task reported success: the job would have been lost without a
+    trace. The transaction is rolled back and the task fails with this error.
+    """
 
 
 class TaskLike(Protocol):
@@ -305,7 +315,10 @@ def effectively_once(
     * if the id is new, runs ``body(task, conn, *args, **kwargs)``: do the
       task's database writes on ``conn``, and they commit together with the
       claim when the body returns. An exception rolls both back and
-      propagates, so a retry or a later delivery runs the body again;
+      propagates, so a retry or a later delivery runs the body again. A body
+      that returns after catching a database error (its transaction is then
+      aborted and could only roll back) fails with
+      :class:`AbortedTransactionError` and rolls back the same way;
     * if the id was already processed, skips the body, logs
       ``task <name>[<id>] already processed; skipped`` at INFO, calls
       ``on_skip(task, conn, *args, **kwargs)`` if given (in the same
@@ -348,14 +361,34 @@ def effectively_once(
                         log.info("task %s[%s] already processed; skipped", self.name, task_id)
                         if on_skip is not None:
                             on_skip(self, conn, *args, **kwargs)
+                            _refuse_aborted(conn, f"task {self.name}[{task_id}]: on_skip")
                         return None
-                    return body(self, conn, *args, **kwargs)
+                    result = body(self, conn, *args, **kwargs)
+                    _refuse_aborted(conn, f"task {self.name}[{task_id}]")
+                    return result
 
         # What Celery checks calls against (it reads __signature__, not __wrapped__).
         task.__signature__ = signature  # type: ignore[attr-defined]
         return task
 
     return decorate
+
+
+def _refuse_aborted(conn: Any, who: str) -> None:
+    """Raise (and so roll back) instead of committing a transaction an error aborted.
+
+    Postgres answers COMMIT of an aborted transaction with ROLLBACK and no
+    error, and psycopg raises nothing: the claim and every write would vanish
+    while the task returned success.
+    """
+    status = conn.info.transaction_status
+    if status.name == "INERROR":
+        raise AbortedTransactionError(
+            f"{who} returned, but a database error it caught had aborted the transaction "
+            "(Postgres ignores every later statement and turns COMMIT into ROLLBACK): rolled "
+            "back the claim and the task's writes instead of losing the job; to go on after "
+            "an expected error, run that statement inside `with conn.transaction():` (a savepoint)"
+        )
 
 
 def _task_signature(body: Callable[..., Any]) -> inspect.Signature:

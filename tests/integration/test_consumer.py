@@ -15,7 +15,8 @@
 * effectively_once() runs a task body once per task id with its writes in the
   claim's transaction, skips (and logs, and calls on_skip for) a repeat, rolls
   the claim back with a failing body, and refuses a connection that is
-  already inside a transaction.
+  already inside a transaction, and a body (or on_skip) that returns with its
+  transaction aborted by a database error it caught (a savepoint is fine).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import sqlalchemy
 from sqlalchemy.orm import Session
 
 from drain.consumer import (
+    AbortedTransactionError,
     ConsumerError,
     claim,
     effectively_once,
@@ -434,3 +436,85 @@ def test_claim_refuses_django_outside_atomic(django_db: str) -> None:
         assert claim(cursor, rolled_back) is True  # the redelivery does the work
     assert processed(django_db) >= {kept, rolled_back}
     assert refused not in processed(django_db)
+
+
+def _swallowing(connect: Any, ran: list[str]) -> Any:
+    """A body in the common idiom: INSERT, and let a duplicate pass."""
+
+    @effectively_once(connect)
+    def index(task: Any, conn: psycopg.Connection[Any], annotation_id: int) -> str:
+        conn.execute("INSERT INTO effects VALUES (%s, %s)", (task.request.id, annotation_id))
+        try:  # noqa: SIM105 - the idiom under test, as users write it
+            conn.execute("INSERT INTO seen VALUES (%s)", (annotation_id,))
+        except psycopg.errors.UniqueViolation:
+            pass
+        ran.append(str(task.request.id))
+        return "indexed"
+
+    return index
+
+
+@pytest.mark.parametrize("source", ["borrowed autocommit", "context manager"])
+def test_a_body_that_swallows_a_database_error_fails_instead_of_losing_the_job(
+    db_url: str, worker_conn: psycopg.Connection[Any], source: str
+) -> None:
+    """Before: the task returned "indexed", COMMIT became ROLLBACK, and neither
+    its effect nor its claim existed: a job acked as done that never happened."""
+    worker_conn.execute("CREATE TABLE seen (annotation_id int PRIMARY KEY)")
+    worker_conn.execute("INSERT INTO seen VALUES (5)")
+
+    @contextlib.contextmanager
+    def pooled() -> Iterator[psycopg.Connection[Any]]:
+        with psycopg.connect(db_url) as conn:
+            yield conn
+
+    connect: Any = (lambda: worker_conn) if source == "borrowed autocommit" else pooled
+    ran: list[str] = []
+    index = _swallowing(connect, ran)
+    task_id = uuid.uuid4()
+    with pytest.raises(AbortedTransactionError, match=r"t\.index\[.*\] returned, but a database"):
+        index(fake_task(task_id), 5)
+    assert ran == [str(task_id)]  # the body did return
+    assert processed(db_url) == set()
+    assert effects(db_url) == []
+    assert worker_conn.info.transaction_status.name == "IDLE"
+    assert index(fake_task(uuid.uuid4()), 6) == "indexed"  # no error: commits as before
+    worker_conn.execute("DELETE FROM seen")
+    assert index(fake_task(task_id), 5) == "indexed"  # the retry of the failed job runs
+    assert sorted(e[1] for e in effects(db_url)) == [5, 6]
+    assert task_id in processed(db_url)
+
+
+def test_an_error_caught_around_a_savepoint_commits(
+    db_url: str, worker_conn: psycopg.Connection[Any]
+) -> None:
+    worker_conn.execute("CREATE TABLE seen (annotation_id int PRIMARY KEY)")
+    worker_conn.execute("INSERT INTO seen VALUES (5)")
+
+    @effectively_once(lambda: worker_conn)
+    def index(task: Any, conn: psycopg.Connection[Any], annotation_id: int) -> str:
+        conn.execute("INSERT INTO effects VALUES (%s, %s)", (task.request.id, annotation_id))
+        with contextlib.suppress(psycopg.errors.UniqueViolation), conn.transaction():
+            conn.execute("INSERT INTO seen VALUES (%s)", (annotation_id,))
+        return "indexed"
+
+    task_id = uuid.uuid4()
+    assert index(fake_task(task_id), 5) == "indexed"
+    assert effects(db_url) == [(task_id, 5)]
+    assert processed(db_url) == {task_id}
+
+
+def test_an_on_skip_that_swallows_a_database_error_fails(
+    db_url: str, worker_conn: psycopg.Connection[Any]
+) -> None:
+    def on_skip(task: Any, conn: psycopg.Connection[Any]) -> None:
+        with contextlib.suppress(psycopg.errors.UndefinedTable):
+            conn.execute("INSERT INTO skips_not_created VALUES (1)")
+
+    body = effectively_once(lambda: worker_conn, on_skip=on_skip)(lambda task, conn: "ran")
+    task_id = uuid.uuid4()
+    assert body(fake_task(task_id)) == "ran"
+    with pytest.raises(AbortedTransactionError, match=r"t\.index\[.*\]: on_skip returned"):
+        body(fake_task(task_id))
+    assert processed(db_url) == {task_id}
+    assert worker_conn.info.transaction_status.name == "IDLE"
