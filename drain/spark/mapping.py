@@ -43,6 +43,9 @@ COPY_COLUMNS = (
     "expires_at",
 )
 _JSON_OPTIONS = {"ignoreNullFields": "false"}
+#: A source's column saying why a row is malformed (NULL: it is not), as a CSV source
+#: has it (drain.spark.sources): never part of a record, its rows become rejects.
+MALFORMED = "_drain_malformed"
 
 
 def task_id_for(run_id: str, key: str) -> uuid.UUID:
@@ -140,6 +143,7 @@ def jobs(
     """
     from pyspark.sql import functions as F  # noqa: PLC0415 - pyspark is optional
 
+    df = df.drop(MALFORMED)
     # The key stays an expression, not a column of the frame: a column of drain's would
     # be part of the record a user's struct(*) or array(*) sees.
     key = F.expr(mapping.key)
