@@ -11,6 +11,7 @@ trims drain_processed, the consumers' record of processed task ids
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import sys
 from collections.abc import Callable
@@ -173,9 +174,21 @@ def add_processed_parser(sub: Any) -> None:
         "(queue backlog, retries, drain downtime). Safe to run from cron.",
     )
     add_database(q)
-    q.add_argument("--older-than", required=True, type=duration, metavar="DURATION",
-                   help="e.g. 7d, 12h, 90m")
+    q.add_argument("--older-than", required=True, type=_record_age, metavar="DURATION",
+                   help="e.g. 7d, 12h, 90m; more than 0s (a record purged while a copy of its "
+                   "job can still arrive lets that copy run again, so there is no 'purge all')")
     q.set_defaults(func=cmd_processed_purge)
+
+
+def _record_age(text: str) -> dt.timedelta:
+    """--older-than of ``drain processed purge``: a duration above zero (a usage error if not)."""
+    age = duration(text)
+    if age <= dt.timedelta(0):
+        raise argparse.ArgumentTypeError(
+            f"must be more than 0s, got {text!r}: every record would go, and a copy of a "
+            "job still in a queue or being retried would run again"
+        )
+    return age
 
 
 def cmd_processed_purge(args: argparse.Namespace) -> int:

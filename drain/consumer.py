@@ -38,6 +38,9 @@ Records are kept per task id, not per task name or arguments: a new job
 (a new task id) doing the same work runs again, as it should. Celery's own
 retries (``self.retry()``, ``autoretry_for``) keep the task id: the failed
 attempt rolled back its claim, so the retry runs.
+
+Running the SQL on each kind of connection, and refusing those that would
+commit a claim on its own, is :mod:`drain.consumer_sql`'s part.
 """
 
 from __future__ import annotations
@@ -47,17 +50,32 @@ import datetime as dt
 import functools
 import inspect
 import logging
-import re
 import uuid
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, overload
 
-from drain.errors import DrainError
+from drain.consumer_sql import (
+    ConsumerError,
+    execute,
+    is_psycopg,
+    refuse_async,
+    refuse_autocommit,
+)
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
     import psycopg
+
+__all__ = [
+    "PURGE_BATCH_SIZE",
+    "AbortedTransactionError",
+    "ConsumerError",
+    "TaskLike",
+    "claim",
+    "effectively_once",
+    "purge",
+]
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +94,15 @@ _PURGE_SQL = (
     "WHERE processed_at < now() - make_interval(secs => CAST(%(seconds)s AS double precision)) "
     "ORDER BY processed_at LIMIT %(batch_size)s)"
 )
-_PYFORMAT = re.compile(r"%\((\w+)\)s")
 
 
-class ConsumerError(DrainError):
-    """drain.consumer was misused: a task id that is not a UUID, a bad connection..."""
+class AbortedTransactionError(ConsumerError):
+    """An effectively_once body returned, but an error it caught had aborted the transaction.
+
+    Committing would have rolled back the claim and every write of the task
+    while the task reported success: the job would have been lost without a
+    trace. The transaction is rolled back and the task fails with this error.
+    """
 
 
 class TaskLike(Protocol):
@@ -119,9 +141,12 @@ def claim(conn: Any, task_id: uuid.UUID | str) -> bool:
 
     Accepts the connections :func:`drain.stage` does: a psycopg 3 Connection
     or Cursor, a SQLAlchemy Connection or Session, a DB-API connection or
-    cursor. A psycopg connection in autocommit mode must be inside
-    ``conn.transaction()``: otherwise the record would commit on its own,
-    before the work it stands for, and a crash in between would lose the job.
+    cursor. It refuses (:class:`ConsumerError`) a connection on which the
+    record would commit on its own, before the work it stands for, so that a
+    failure of that work would make its redelivery skip it: psycopg in
+    autocommit mode outside ``conn.transaction()``, SQLAlchemy with
+    ``isolation_level="AUTOCOMMIT"``, Django's connection outside
+    ``transaction.atomic()``.
 
     Concurrency (READ COMMITTED, Postgres's default): when two deliveries of
     the same task id run at once, the second INSERT waits on the primary key
@@ -138,9 +163,9 @@ def claim(conn: Any, task_id: uuid.UUID | str) -> bool:
     and default Celery task id is one).
     """
     key = _task_uuid(task_id)
-    _refuse_async(conn)
-    _refuse_autocommit(conn)
-    row, _ = _execute(conn, _CLAIM_SQL, {"task_id": str(key)}, fetch=True)
+    refuse_async(conn)
+    refuse_autocommit(conn)
+    row, _ = execute(conn, _CLAIM_SQL, {"task_id": str(key)}, fetch=True)
     return row is not None
 
 
@@ -163,23 +188,6 @@ def _task_uuid(task_id: object) -> uuid.UUID:
             f"task id is not a UUID: {task_id!r} (drain_processed.task_id is uuid; "
             "drain-published and default Celery task ids always are)"
         ) from None
-
-
-def _refuse_autocommit(conn: Any) -> None:
-    if not _is_psycopg(conn):
-        return
-    connection = getattr(conn, "connection", conn)  # a psycopg Cursor has .connection
-    info = getattr(connection, "info", None)
-    if (
-        getattr(connection, "autocommit", False)
-        and info is not None
-        and info.transaction_status.name == "IDLE"
-    ):
-        raise ConsumerError(
-            "claim() on an autocommit connection outside a transaction would commit the "
-            "record on its own, before the task's work: run it inside `with conn.transaction():` "
-            "together with that work"
-        )
 
 
 # -- purge -------------------------------------------------------------------------
@@ -218,8 +226,8 @@ def purge(
         raise ConsumerError(f"older_than must be positive, got {older_than}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConsumerError(f"batch_size must be a positive integer, got {batch_size!r}")
-    _refuse_async(conn)
-    if _is_psycopg(conn):
+    refuse_async(conn)
+    if is_psycopg(conn):
         status = getattr(getattr(conn, "info", None), "transaction_status", None)
         if not hasattr(conn, "transaction"):
             raise ConsumerError("purge() commits between batches: pass a psycopg Connection")
@@ -244,12 +252,12 @@ def purge(
 
 
 def _purge_batch(conn: Any, params: dict[str, Any]) -> int:
-    if _is_psycopg(conn):
+    if is_psycopg(conn):
         with conn.transaction():
-            _, deleted = _execute(conn, _PURGE_SQL, params)
+            _, deleted = execute(conn, _PURGE_SQL, params)
     else:
         try:
-            _, deleted = _execute(conn, _PURGE_SQL, params)
+            _, deleted = execute(conn, _PURGE_SQL, params)
         except BaseException:
             conn.rollback()
             raise
@@ -307,7 +315,10 @@ def effectively_once(
     * if the id is new, runs ``body(task, conn, *args, **kwargs)``: do the
       task's database writes on ``conn``, and they commit together with the
       claim when the body returns. An exception rolls both back and
-      propagates, so a retry or a later delivery runs the body again;
+      propagates, so a retry or a later delivery runs the body again. A body
+      that returns after catching a database error (its transaction is then
+      aborted and could only roll back) fails with
+      :class:`AbortedTransactionError` and rolls back the same way;
     * if the id was already processed, skips the body, logs
       ``task <name>[<id>] already processed; skipped`` at INFO, calls
       ``on_skip(task, conn, *args, **kwargs)`` if given (in the same
@@ -350,14 +361,34 @@ def effectively_once(
                         log.info("task %s[%s] already processed; skipped", self.name, task_id)
                         if on_skip is not None:
                             on_skip(self, conn, *args, **kwargs)
+                            _refuse_aborted(conn, f"task {self.name}[{task_id}]: on_skip")
                         return None
-                    return body(self, conn, *args, **kwargs)
+                    result = body(self, conn, *args, **kwargs)
+                    _refuse_aborted(conn, f"task {self.name}[{task_id}]")
+                    return result
 
         # What Celery checks calls against (it reads __signature__, not __wrapped__).
         task.__signature__ = signature  # type: ignore[attr-defined]
         return task
 
     return decorate
+
+
+def _refuse_aborted(conn: Any, who: str) -> None:
+    """Raise (and so roll back) instead of committing a transaction an error aborted.
+
+    Postgres answers COMMIT of an aborted transaction with ROLLBACK and no
+    error, and psycopg raises nothing: the claim and every write would vanish
+    while the task returned success.
+    """
+    status = conn.info.transaction_status
+    if status.name == "INERROR":
+        raise AbortedTransactionError(
+            f"{who} returned, but a database error it caught had aborted the transaction "
+            "(Postgres ignores every later statement and turns COMMIT into ROLLBACK): rolled "
+            "back the claim and the task's writes instead of losing the job; to go on after "
+            "an expected error, run that statement inside `with conn.transaction():` (a savepoint)"
+        )
 
 
 def _task_signature(body: Callable[..., Any]) -> inspect.Signature:
@@ -375,14 +406,14 @@ def _task_signature(body: Callable[..., Any]) -> inspect.Signature:
 @contextlib.contextmanager
 def _connection(connect: Callable[[], Any]) -> Iterator[Any]:
     obtained = connect()
-    if _is_psycopg(obtained) and hasattr(obtained, "transaction"):
-        _refuse_async(obtained)
+    if is_psycopg(obtained) and hasattr(obtained, "transaction"):
+        refuse_async(obtained)
         yield obtained
     elif hasattr(obtained, "__enter__") and hasattr(obtained, "__exit__"):
         with obtained as conn:
-            if not (_is_psycopg(conn) and hasattr(conn, "transaction")):
+            if not (is_psycopg(conn) and hasattr(conn, "transaction")):
                 raise ConsumerError(_not_a_connection(conn))
-            _refuse_async(conn)
+            refuse_async(conn)
             yield conn
     else:
         raise ConsumerError(_not_a_connection(obtained))
@@ -393,55 +424,4 @@ def _not_a_connection(obj: object) -> str:
         f"effectively_once's connect() returned a {type(obj).__module__}."
         f"{type(obj).__name__}: it must return a psycopg 3 Connection, or a context "
         "manager yielding one"
-    )
-
-
-# -- executing on any connection (dispatch as in drain.staging) --------------------
-
-
-def _is_psycopg(conn: Any) -> bool:
-    module = type(conn).__module__
-    return module.startswith("psycopg.") or module == "psycopg"
-
-
-def _is_sqlalchemy(conn: Any) -> bool:
-    return type(conn).__module__.startswith("sqlalchemy.")
-
-
-def _refuse_async(conn: Any) -> None:
-    if inspect.iscoroutinefunction(getattr(conn, "execute", None)):
-        raise ConsumerError(
-            f"{type(conn).__module__}.{type(conn).__name__} is asynchronous and "
-            "drain.consumer is not; use a synchronous connection"
-        )
-
-
-def _execute(
-    conn: Any, statement: str, params: dict[str, Any], *, fetch: bool = False
-) -> tuple[Any, int]:
-    """Run ``statement`` (pyformat placeholders) on ``conn``: (first row if fetch, rowcount)."""
-    if _is_sqlalchemy(conn):
-        from sqlalchemy import text  # noqa: PLC0415 - SQLAlchemy is optional
-
-        result = conn.execute(text(_PYFORMAT.sub(r":\1", statement)), params)
-        row = result.first() if fetch else None
-        return row, int(result.rowcount)
-    if _is_psycopg(conn) and hasattr(conn, "execute"):
-        cursor = conn.execute(statement, params)
-        if cursor is None:  # a psycopg Cursor returns itself; be lenient all the same
-            cursor = conn
-        return (cursor.fetchone() if fetch else None), int(cursor.rowcount)
-    if callable(getattr(conn, "cursor", None)):
-        cursor = conn.cursor()
-        try:
-            cursor.execute(statement, params)
-            return (cursor.fetchone() if fetch else None), int(cursor.rowcount)
-        finally:
-            cursor.close()
-    if callable(getattr(conn, "execute", None)) and hasattr(conn, "fetchone"):
-        conn.execute(statement, params)
-        return (conn.fetchone() if fetch else None), int(conn.rowcount)
-    raise ConsumerError(
-        f"cannot run SQL on a {type(conn).__module__}.{type(conn).__name__}: pass a psycopg "
-        "connection or cursor, a SQLAlchemy Connection or Session, or a DB-API connection"
     )

@@ -151,3 +151,38 @@ def broker_alarm() -> Iterator[None]:
         yield
     finally:
         alarm.clear_alarm()
+
+
+@pytest.fixture(scope="session")
+def django_db(template_db: str) -> Iterator[str]:
+    """Django configured on a migrated database (settings are per process, so one per session)."""
+    import django
+    from django.conf import settings
+
+    if settings.configured:
+        pytest.fail("Django settings were already configured outside this fixture")
+    name = support.unique("drain_dj")
+    with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
+    settings.configure(
+        DATABASES={
+            "default": {
+                "ENGINE": "django.db.backends.postgresql",
+                "NAME": name,
+                "USER": "postgres",
+                "HOST": "127.0.0.1",
+                "PORT": "5432",
+            }
+        },
+        INSTALLED_APPS=[],
+        USE_TZ=True,
+    )
+    django.setup()
+    try:
+        yield support.database_url(name)
+    finally:
+        from django.db import connections
+
+        connections.close_all()
+        with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

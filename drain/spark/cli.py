@@ -142,6 +142,10 @@ def _add_source(p: argparse.ArgumentParser, flag: str, what: str) -> None:
     p.add_argument("--read-partitions", type=int, metavar="N",
                    help="parallel JDBC reads with --partition-column (default: Spark's "
                    "default parallelism)")
+    p.add_argument("--schema", metavar="DDL",
+                   help="a csv: source's column types, by position: 'id long, n int, text "
+                   "string' (default: inferred, see docs/spark.md); a row whose value does "
+                   "not fit its type is a reject (--rejects)")
 
 
 def _add_mapping(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -240,7 +244,7 @@ def _read(spark: SparkSession, args: argparse.Namespace) -> Any:
     url = args.source_url if args.source_url is not None else args.database_url
     options = sources.JdbcOptions(database_url=url, partition_column=args.partition_column,
                                   num_partitions=args.read_partitions)
-    return sources.read(spark, args.source, options)
+    return sources.read(spark, args.source, options, schema=args.schema)
 
 
 def cmd_backfill(args: argparse.Namespace) -> int:

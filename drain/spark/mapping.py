@@ -43,6 +43,9 @@ COPY_COLUMNS = (
     "expires_at",
 )
 _JSON_OPTIONS = {"ignoreNullFields": "false"}
+#: A source's column saying why a row is malformed (NULL: it is not), as a CSV source
+#: has it (drain.spark.sources): never part of a record, its rows become rejects.
+MALFORMED = "_drain_malformed"
 
 
 def task_id_for(run_id: str, key: str) -> uuid.UUID:
@@ -135,15 +138,20 @@ def jobs(
     Columns: ``_key``, ``_bucket`` (the partition the key hashes to, which the
     writer checks), ``task_id``, ``args``, ``kwargs`` (JSON text) and
     ``not_before`` (text or NULL). Only the source's columns are shuffled; the
-    jobs are computed after the shuffle, in the writing stage. ``partitions=None``
+    jobs are computed after the shuffle, in the writing stage. The args and kwargs
+    expressions see the source's columns only (``struct(*)`` is the record, with
+    no column of drain's). ``partitions=None``
     leaves ``df``'s partitioning alone (and ``_bucket`` NULL): for comparisons only.
     """
     from pyspark.sql import functions as F  # noqa: PLC0415 - pyspark is optional
 
-    keyed = df.withColumn("_key", F.expr(mapping.key))
-    args, kwargs = args_json(keyed, mapping), kwargs_json(keyed, mapping)
+    df = df.drop(MALFORMED)
+    # The key stays an expression, not a column of the frame: a column of drain's would
+    # be part of the record a user's struct(*) or array(*) sees.
+    key = F.expr(mapping.key)
+    args, kwargs = args_json(df, mapping), kwargs_json(df, mapping)
     key_text = F.coalesce(
-        F.col("_key").cast("string"),
+        key.cast("string"),
         F.raise_error(F.lit(f"a record's key ({mapping.key}) is NULL")),
     )
     not_before: Column = F.lit(None).cast("string")
@@ -155,13 +163,13 @@ def jobs(
         )
         not_before = F.date_format(moment, "yyyy-MM-dd HH:mm:ss.SSSSSSXXX")
     if partitions is None:
-        partitioned, bucket = keyed, F.lit(None).cast("int")
+        partitioned, bucket = df, F.lit(None).cast("int")
     else:
         # Spark's hash partitioning is pmod(murmur3(...), n): partition_of's.
-        partitioned = keyed.repartition(partitions, F.col("_key").cast("string"))
-        bucket = partition_of(F.col("_key"), partitions)
+        partitioned = df.repartition(partitions, key.cast("string"))
+        bucket = partition_of(key, partitions)
     return partitioned.select(
-        F.col("_key"),
+        key.alias("_key"),
         bucket.alias("_bucket"),
         _uuid5(run_id, key_text).alias("task_id"),
         args.alias("args"),

@@ -11,6 +11,13 @@ the id sorts every id into:
 * ``extra``: downstream only (reported; no job repairs it);
 * ``ok``: the rest.
 
+Ids are counted once per side, whatever its rows: a NULL id is counted apart
+on its side (``null_ids``), compared with nothing and never staged; an id on
+several rows of a side is counted once, as its newest version (the source's
+newest row is the one a repair stages), and reported under
+``duplicate_ids`` (ids and rows). ``source_records`` and
+``downstream_records`` count rows.
+
 With ``--stage``, the missing and stale records go through the backfill's
 mapping and idempotent writer, under their own tag and run id.
 """
@@ -27,6 +34,8 @@ if TYPE_CHECKING:
 
 STATUSES = ("missing", "stale", "extra", "ok")
 REPAIRED = ("missing", "stale")
+#: The statuses of a row whose id is NULL, on the source's side or the downstream's.
+NULLS = ("null_source", "null_downstream")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +66,11 @@ class Sides:
 
 def compare(truth: DataFrame, downstream: DataFrame, sides: Sides) -> DataFrame:
     """Every id of either side with its ``_status``; the source's columns are kept
-    (NULL for extra ids), with ``_id`` the id of either side."""
+    (NULL for extra ids), with ``_id`` the id of either side and ``_t_rows`` /
+    ``_d_rows`` the rows holding it on each side. A row with a NULL id is a row of its
+    own, with status ``null_source`` or ``null_downstream``; an id on several rows of
+    the source is kept once, its row of the newest version."""
+    from pyspark.sql import Window  # noqa: PLC0415
     from pyspark.sql import functions as F  # noqa: PLC0415
 
     sides.validate()
@@ -75,11 +88,21 @@ def compare(truth: DataFrame, downstream: DataFrame, sides: Sides) -> DataFrame:
         t = t.withColumn("_t_version", F.col(version))
         d_cols.append(F.col(d_version).cast(truth.schema[version].dataType).alias("_d_version"))
     d = downstream.select(*d_cols)
-    if version is not None:  # one row per id downstream: its newest version
-        d = d.groupBy("_d_id").agg(F.max("_d_version").alias("_d_version"))
-    else:
-        d = d.dropDuplicates(["_d_id"])
-    joined = t.join(d, t["_t_id"] == d["_d_id"], "full_outer")
+    # One row per id on each side, with how many rows held it: the newest version.
+    by_id = Window.partitionBy("_t_id")
+    newest = by_id.orderBy(F.col("_t_version").desc_nulls_last() if version is not None
+                           else F.lit(0))
+    t_ids = (
+        t.filter(F.col("_t_id").isNotNull())
+        .withColumn("_t_rows", F.count(F.lit(1)).over(by_id))
+        .withColumn("_t_rank", F.row_number().over(newest))
+        .filter(F.col("_t_rank") == 1).drop("_t_rank")
+    )
+    aggregates = [F.count(F.lit(1)).alias("_d_rows")]
+    if version is not None:
+        aggregates.append(F.max("_d_version").alias("_d_version"))
+    d_ids = d.filter(F.col("_d_id").isNotNull()).groupBy("_d_id").agg(*aggregates)
+    joined = t_ids.join(d_ids, t_ids["_t_id"] == d_ids["_d_id"], "full_outer")
     stale = F.lit(False)
     if version is not None:
         tv, dv = F.col("_t_version"), F.col("_d_version")
@@ -91,33 +114,61 @@ def compare(truth: DataFrame, downstream: DataFrame, sides: Sides) -> DataFrame:
         .when(stale, F.lit("stale"))
         .otherwise(F.lit("ok"))
     )
-    return joined.withColumn("_status", status).withColumn(
-        "_id", F.coalesce(F.col("_t_id"), F.col("_d_id"))
+    compared = joined.withColumn("_status", status)
+    null_rows = (
+        t.filter(F.col("_t_id").isNull()).withColumn("_status", F.lit("null_source"))
+        .withColumn("_t_rows", F.lit(1).cast("long")),
+        d.filter(F.col("_d_id").isNull()).withColumn("_status", F.lit("null_downstream"))
+        .withColumn("_d_rows", F.lit(1).cast("long")),
     )
+    for rows in null_rows:
+        compared = compared.unionByName(rows, allowMissingColumns=True)
+    return compared.withColumn(
+        "_id", F.coalesce(F.col("_t_id"), F.col("_d_id"))
+    ).withColumn("_t_rows", F.coalesce(F.col("_t_rows"), F.lit(0))).withColumn(
+        "_d_rows", F.coalesce(F.col("_d_rows"), F.lit(0)))
 
 
 def report(compared: DataFrame, sample: int) -> dict[str, Any]:
-    """Counts per status and the first ``sample`` ids (in id order) of each problem."""
+    """Counts per status and the first ``sample`` ids (in id order) of each problem;
+    NULL ids (rows) and duplicated ids (ids, their rows, a sample) of each side."""
     from pyspark.sql import functions as F  # noqa: PLC0415
 
-    counts = {status: 0 for status in STATUSES}
+    counts = {status: 0 for status in STATUSES + NULLS}
     for row in compared.groupBy("_status").count().collect():
         counts[row["_status"]] = int(row["count"])
+    totals = compared.agg(
+        F.sum("_t_rows").alias("t_rows"), F.sum("_d_rows").alias("d_rows"),
+        F.count_if(F.col("_t_rows") > 1).alias("t_dup"),
+        F.sum(F.when(F.col("_t_rows") > 1, F.col("_t_rows"))).alias("t_dup_rows"),
+        F.count_if(F.col("_d_rows") > 1).alias("d_dup"),
+        F.sum(F.when(F.col("_d_rows") > 1, F.col("_d_rows"))).alias("d_dup_rows"),
+    ).collect()[0]
     out: dict[str, Any] = {
-        "source_records": counts["missing"] + counts["stale"] + counts["ok"],
-        "downstream_records": counts["stale"] + counts["ok"] + counts["extra"],
+        "source_records": int(totals["t_rows"] or 0),
+        "downstream_records": int(totals["d_rows"] or 0),
         "ok": counts["ok"],
+        "null_ids": {"source": counts["null_source"],
+                     "downstream": counts["null_downstream"]},
+        "duplicate_ids": {
+            side: {"count": int(totals[f"{p}_dup"] or 0), "rows": int(totals[f"{p}_dup_rows"] or 0),
+                   "sample": _sample(compared, F.col(f"_{p}_rows") > 1, sample)
+                   if totals[f"{p}_dup"] else []}
+            for side, p in (("source", "t"), ("downstream", "d"))
+        },
     }
     for status in ("missing", "stale", "extra"):
-        ids = []
-        if counts[status] and sample > 0:
-            ids = [
-                _plain(r["_id"])
-                for r in compared.filter(F.col("_status") == status)
-                .select("_id").orderBy("_id").limit(sample).collect()
-            ]
+        ids = (_sample(compared, F.col("_status") == status, sample)
+               if counts[status] else [])
         out[status] = {"count": counts[status], "sample": ids}
     return out
+
+
+def _sample(compared: DataFrame, condition: Any, sample: int) -> list[Any]:
+    if sample <= 0:
+        return []
+    return [_plain(r["_id"]) for r in
+            compared.filter(condition).select("_id").orderBy("_id").limit(sample).collect()]
 
 
 def repairs(compared: DataFrame, truth_columns: list[str]) -> DataFrame:
@@ -142,6 +193,17 @@ def table(rep: dict[str, Any]) -> str:
         lines.append(f"  {label:<11}{entry['count']:>10,}" + (f"   e.g. {sample}{more}"
                                                                if sample else ""))
     lines.append(f"  {'up to date':<11}{rep['ok']:>10,}")
+    nulls = rep["null_ids"]
+    if nulls["source"] or nulls["downstream"]:
+        lines.append(f"  NULL id: {nulls['source']:,} source row(s), {nulls['downstream']:,} "
+                     "downstream row(s) (compared with nothing, never staged)")
+    for side, dup in rep["duplicate_ids"].items():
+        if dup["count"]:
+            sample = ", ".join(str(i) for i in dup["sample"])
+            more = ", ..." if dup["count"] > len(dup["sample"]) else ""
+            lines.append(f"  duplicated: {dup['count']:,} {side} id(s) on {dup['rows']:,} rows "
+                         "(each counted once, as its newest version)"
+                         + (f"   e.g. {sample}{more}" if sample else ""))
     return "\n".join(lines)
 
 

@@ -8,7 +8,10 @@ else why not, in :func:`drain.stage`'s words (drain/staging_values.py):
 * a NaN or infinite float among the args or kwargs, at any depth (in a struct,
   an array, a map's values), which JSON cannot hold (Spark would write the
   string ``"NaN"``): "kwargs for TASK are not
-  JSON-serialisable: Out of range float values are not JSON compliant: nan; ...".
+  JSON-serialisable: Out of range float values are not JSON compliant: nan; ...";
+* a malformed source row (a CSV row with too few or too many fields, or a value
+  its column's type cannot hold: drain.spark.sources), by the source's reason
+  in the column ``mapping.MALFORMED``.
 
 :func:`check` runs it over the source before the write (a pass without a
 shuffle, and only when the mapping has a string or float value): by default
@@ -44,14 +47,16 @@ def reason(df: DataFrame, m: mapping_.Mapping) -> Column | None:
     from pyspark.sql import functions as F  # noqa: PLC0415
 
     checks: list[Column] = []
-    keyed = df.withColumn("_key", F.expr(m.key))
+    if mapping_.MALFORMED in df.columns:
+        checks.append(F.col(mapping_.MALFORMED))
+        df = df.drop(mapping_.MALFORMED)
     for what, json_text, values in (
-        ("args", mapping_.args_json(keyed, m), _values(m.args, m.args_expr)),
-        ("kwargs", mapping_.kwargs_json(keyed, m), _values(m.kwargs, m.kwargs_expr)),
+        ("args", mapping_.args_json(df, m), _values(m.args, m.args_expr)),
+        ("kwargs", mapping_.kwargs_json(df, m), _values(m.kwargs, m.kwargs_expr)),
     ):
         if not values:
             continue
-        types = [keyed.select(F.expr(v)).schema.fields[0].dataType for v in values]
+        types = [df.select(F.expr(v)).schema.fields[0].dataType for v in values]
         if any("string" in t.simpleString() for t in types):
             checks.append(F.when(
                 json_text.rlike(JSON_NUL),
@@ -117,6 +122,7 @@ def check(df: DataFrame, m: mapping_.Mapping, partitions: int,
     why = reason(df, m)
     if why is None:
         return df, 0
+    records = df.drop(mapping_.MALFORMED)
     key = F.expr(m.key)
     refused = df.select(
         mapping_.partition_of(key, partitions).alias("partition"),
@@ -131,10 +137,10 @@ def check(df: DataFrame, m: mapping_.Mapping, partitions: int,
                 "nothing was staged (--rejects FILE stages the other records and lists "
                 "the refused ones in FILE)"
             )
-        return df, 0
+        return records, 0
     count = 0
     with open(rejects_file, "w", encoding="utf-8") as out:
         for row in refused.toLocalIterator():
             out.write(json.dumps(row.asDict(), sort_keys=True) + "\n")
             count += 1
-    return (df.filter(why.isNull()) if count else df), count
+    return (df.filter(why.isNull()).drop(mapping_.MALFORMED) if count else records), count

@@ -8,6 +8,15 @@ A source is written ``KIND:WHAT`` on the command line:
 * ``table:NAME`` (``schema.name`` works) or ``query:SELECT ...``: read from
   Postgres over JDBC, in parallel when a numeric partition column is given
   (Spark splits ``[min, max]`` of that column into ranges, one query each).
+
+A CSV file is read as text, then typed (:func:`_read_csv`): with ``--schema``
+its columns take those types (by position); without, each takes the type
+Spark infers, except that a column Spark would make a string because of a few
+values is typed int, bigint, double or boolean when more than half of its
+non-empty values are. A row with too few or too many fields, or a value its
+column's type cannot hold, is malformed: its reason is in the column
+:data:`drain.spark.mapping.MALFORMED`, and it becomes a reject
+(drain/spark/rejects.py), never a job with a NULL or a changed type.
 """
 
 from __future__ import annotations
@@ -20,14 +29,20 @@ from psycopg import conninfo
 from psycopg import sql as psql
 
 from drain.errors import ConfigError, DatabaseUnavailable
+from drain.spark.mapping import MALFORMED
 from drain.spark.session import JDBC_DRIVER
 from drain.url_parts import first_line
 from drain.urls import mask_database_url, scrub
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import Column, DataFrame, SparkSession
+    from pyspark.sql.types import StructType
 
 FILE_KINDS = ("parquet", "csv", "json")
+#: The types a column Spark infers as a string may take instead, narrowest first.
+_RESCUED_TYPES = ("int", "bigint", "double", "boolean")
+#: Spark's column for a CSV line with too few or too many fields.
+_CORRUPT = "_drain_csv_line"
 JDBC_KINDS = ("table", "query")
 KINDS = FILE_KINDS + JDBC_KINDS
 
@@ -125,15 +140,96 @@ def jdbc_connection(database_url: str) -> JdbcConnection:
     return JdbcConnection(f"jdbc:postgresql://{host}:{port}/{dbname}", properties)
 
 
-def read(spark: SparkSession, source: Source, jdbc: JdbcOptions | None = None) -> DataFrame:
-    """The source as a DataFrame (lazy: nothing is read until an action runs)."""
+def read(spark: SparkSession, source: Source, jdbc: JdbcOptions | None = None,
+         schema: str | None = None) -> DataFrame:
+    """The source as a DataFrame (lazy: nothing is read until an action runs).
+    ``schema`` (Spark DDL: ``"id long, n int"``) types a CSV source's columns."""
+    if schema is not None and source.kind != "csv":
+        raise ConfigError(f"--schema applies to csv: sources, not to {source.kind}:")
     if source.kind == "parquet":
         return spark.read.parquet(source.target)
     if source.kind == "csv":
-        return spark.read.csv(source.target, header=True, inferSchema=True)
+        return _read_csv(spark, source.target, schema)
     if source.kind == "json":
         return spark.read.json(source.target)
     return _read_jdbc(spark, source, jdbc or JdbcOptions())
+
+
+def _read_csv(spark: SparkSession, path: str, schema: str | None) -> DataFrame:
+    """The CSV file(s) with their columns typed, and MALFORMED: NULL, or why the row
+    cannot be a record (a short or long row, a value its column's type cannot hold)."""
+    from pyspark.sql import functions as F  # noqa: PLC0415
+    from pyspark.sql import types as T  # noqa: PLC0415
+
+    names = spark.read.csv(path, header=True).columns
+    if schema is not None:
+        from pyspark.errors import ParseException  # noqa: PLC0415
+
+        try:
+            parsed = T.StructType.fromDDL(schema)
+        except ParseException as exc:
+            raise ConfigError(f"bad --schema {schema!r}: {first_line(exc)}") from None
+        if not isinstance(parsed, T.StructType):
+            raise ConfigError(f"bad --schema {schema!r}: expected 'NAME TYPE, ...'")
+        types = parsed
+        if len(types.fields) != len(names):
+            raise ConfigError(f"--schema gives {len(types.fields)} column(s), the CSV header "
+                              f"{len(names)} ({', '.join(names)})")
+    else:
+        types = _infer_csv(spark, path, names)
+    # Every field a string, so that no value is lost to a type; the line of a row with
+    # too few or too many fields in _CORRUPT. Its fields are counted only when the parser
+    # reads every column, not just those a query needs.
+    spark.conf.set("spark.sql.csv.parser.columnPruning.enabled", "false")
+    text = T.StructType([T.StructField(n, T.StringType()) for n in names]
+                        + [T.StructField(_CORRUPT, T.StringType())])
+    raw = spark.read.csv(path, header=True, schema=text, mode="PERMISSIVE",
+                         columnNameOfCorruptRecord=_CORRUPT)
+    typed: list[Column] = []
+    why = [F.when(F.col(_CORRUPT).isNotNull(),
+                  F.lit("malformed CSV row: too few or too many fields"))]
+    for name, field in zip(names, types.fields, strict=True):
+        value = F.col(f"`{name}`")
+        if isinstance(field.dataType, T.StringType):
+            typed.append(value.alias(field.name))
+            continue
+        cast = value.try_cast(field.dataType)
+        typed.append(cast.alias(field.name))
+        why.append(F.when(value.isNotNull() & cast.isNull(), F.concat(
+            F.lit("malformed CSV row: "), F.to_json(F.struct(F.substring(value, 1, 100).alias(
+                field.name))),
+            F.lit(f" is not a {field.dataType.simpleString()}"))))
+    return raw.select(*typed, F.coalesce(*why).alias(MALFORMED))
+
+
+def _infer_csv(spark: SparkSession, path: str, names: list[str]) -> StructType:
+    """Spark's inferred schema, except for a column it makes a string although more
+    than half its non-empty values are of one of _RESCUED_TYPES (the narrowest)."""
+    from pyspark.sql import functions as F  # noqa: PLC0415
+    from pyspark.sql import types as T  # noqa: PLC0415
+
+    inferred = spark.read.csv(path, header=True, inferSchema=True).schema
+    strings = [i for i, f in enumerate(inferred.fields) if isinstance(f.dataType, T.StringType)]
+    if not strings:
+        return inferred
+    raw = spark.read.csv(path, header=True)
+    counts = []
+    for i in strings:
+        value = F.col(f"`{raw.columns[i]}`")
+        counts.append(F.count(value))
+        counts += [F.count_if(value.try_cast(t).isNotNull()) for t in _RESCUED_TYPES]
+    row = raw.agg(*counts).collect()[0]
+    fields = list(inferred.fields)
+    width = 1 + len(_RESCUED_TYPES)
+    for n, i in enumerate(strings):
+        total, *fits = row[n * width:(n + 1) * width]
+        chosen = next((t for t, fit in zip(_RESCUED_TYPES, fits, strict=True)
+                       if total and fit * 2 > total), None)
+        if chosen is not None:
+            rescued = {"int": T.IntegerType(), "bigint": T.LongType(),
+                       "double": T.DoubleType(), "boolean": T.BooleanType()}[chosen]
+            fields[i] = T.StructField(names[i], rescued)
+    return T.StructType(fields)
 
 
 def _read_jdbc(spark: SparkSession, source: Source, options: JdbcOptions) -> DataFrame:

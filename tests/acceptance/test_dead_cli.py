@@ -120,6 +120,17 @@ def test_processed_purge(db_url: str) -> None:
     assert done.stdout == "purged 2 processed task id(s) older than 7d\n"  # 7.5, 8.5 days
     with psycopg.connect(db_url) as conn:
         assert conn.execute("SELECT count(*) FROM drain_processed").fetchone() == (8,)
+    # Before: 0s exited 1 with "older_than must be positive, got 0:00:00".
+    for zero in ("0s", "0d"):
+        refused = support.run_cli(db_url, "processed", "purge", "--older-than", zero)
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.splitlines()[-1] == (
+            f"drain processed purge: error: argument --older-than: must be more than 0s, got "
+            f"'{zero}': every record would go, and a copy of a job still in a queue or being "
+            "retried would run again"
+        )
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT count(*) FROM drain_processed").fetchone() == (8,)
 
 
 def test_status_groups_the_backlog_and_counts_dead_letters(db_url: str) -> None:

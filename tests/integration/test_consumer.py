@@ -9,11 +9,14 @@
 * purge() deletes only rows older than the cutoff, in batches that are
   separate DELETE statements in separate transactions (logged by a trigger),
   and refuses to commit a caller's open transaction.
-* claim() and purge() work on SQLAlchemy connections and sessions too.
+* claim() and purge() work on SQLAlchemy connections and sessions too;
+  claim() refuses SQLAlchemy AUTOCOMMIT and Django's connection outside
+  atomic(), where its record would commit before the work.
 * effectively_once() runs a task body once per task id with its writes in the
   claim's transaction, skips (and logs, and calls on_skip for) a repeat, rolls
   the claim back with a failing body, and refuses a connection that is
-  already inside a transaction.
+  already inside a transaction, and a body (or on_skip) that returns with its
+  transaction aborted by a database error it caught (a savepoint is fine).
 """
 
 from __future__ import annotations
@@ -32,7 +35,13 @@ import pytest
 import sqlalchemy
 from sqlalchemy.orm import Session
 
-from drain.consumer import ConsumerError, claim, effectively_once, purge
+from drain.consumer import (
+    AbortedTransactionError,
+    ConsumerError,
+    claim,
+    effectively_once,
+    purge,
+)
 from tests import support
 
 
@@ -373,3 +382,139 @@ def test_a_closed_connection_is_refused(db_url: str) -> None:
     body = effectively_once(lambda: conn)(lambda task, conn: "ran")
     with pytest.raises(ConsumerError, match="closed connection"):
         body(fake_task(uuid.uuid4()))
+
+
+# -- refusals: what would lose a job -------------------------------------------------
+
+
+def test_claim_refuses_sqlalchemy_autocommit(db_url: str) -> None:
+    """Before: claim() returned True and its row was committed at once, so a
+    rollback of the work left it behind and the redelivery skipped the work."""
+    url = db_url.replace("postgresql://", "postgresql+psycopg://", 1)
+    auto = sqlalchemy.create_engine(url, isolation_level="AUTOCOMMIT")
+    plain = sqlalchemy.create_engine(url)
+    try:
+        with auto.connect() as conn, pytest.raises(ConsumerError, match="AUTOCOMMIT mode"):
+            claim(conn, uuid.uuid4())
+        with auto.connect() as conn, conn.begin(), pytest.raises(ConsumerError, match="AUTOCOMMIT"):
+            claim(conn, uuid.uuid4())  # begin() opens no database transaction there
+        with Session(auto) as session, pytest.raises(ConsumerError, match="AUTOCOMMIT"):
+            claim(session, uuid.uuid4())
+        with plain.connect() as conn:
+            per_connection = conn.execution_options(isolation_level="AUTOCOMMIT")
+            with pytest.raises(ConsumerError, match="AUTOCOMMIT"):
+                claim(per_connection, uuid.uuid4())
+        assert processed(db_url) == set()
+        kept = uuid.uuid4()
+        with plain.connect() as conn:  # the ordinary way still works
+            assert claim(conn, kept) is True
+            conn.rollback()
+            assert claim(conn, kept) is True
+            conn.commit()
+    finally:
+        auto.dispose()
+        plain.dispose()
+    assert processed(db_url) == {kept}
+
+
+def test_claim_refuses_django_outside_atomic(django_db: str) -> None:
+    """Before: claim(connection, id) outside atomic() committed its row on its own."""
+    from django.db import connection, transaction
+
+    refused, kept, rolled_back = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    with pytest.raises(ConsumerError, match=r"outside transaction\.atomic\(\)"):
+        claim(connection, refused)
+    with connection.cursor() as cursor, pytest.raises(ConsumerError, match="atomic"):
+        claim(cursor, refused)
+    with transaction.atomic():
+        assert claim(connection, kept) is True
+    with contextlib.suppress(RuntimeError), transaction.atomic():
+        assert claim(connection, rolled_back) is True
+        raise RuntimeError("the work failed")
+    with transaction.atomic(), connection.cursor() as cursor:
+        assert claim(cursor, kept) is False
+        assert claim(cursor, rolled_back) is True  # the redelivery does the work
+    assert processed(django_db) >= {kept, rolled_back}
+    assert refused not in processed(django_db)
+
+
+def _swallowing(connect: Any, ran: list[str]) -> Any:
+    """A body in the common idiom: INSERT, and let a duplicate pass."""
+
+    @effectively_once(connect)
+    def index(task: Any, conn: psycopg.Connection[Any], annotation_id: int) -> str:
+        conn.execute("INSERT INTO effects VALUES (%s, %s)", (task.request.id, annotation_id))
+        try:  # noqa: SIM105 - the idiom under test, as users write it
+            conn.execute("INSERT INTO seen VALUES (%s)", (annotation_id,))
+        except psycopg.errors.UniqueViolation:
+            pass
+        ran.append(str(task.request.id))
+        return "indexed"
+
+    return index
+
+
+@pytest.mark.parametrize("source", ["borrowed autocommit", "context manager"])
+def test_a_body_that_swallows_a_database_error_fails_instead_of_losing_the_job(
+    db_url: str, worker_conn: psycopg.Connection[Any], source: str
+) -> None:
+    """Before: the task returned "indexed", COMMIT became ROLLBACK, and neither
+    its effect nor its claim existed: a job acked as done that never happened."""
+    worker_conn.execute("CREATE TABLE seen (annotation_id int PRIMARY KEY)")
+    worker_conn.execute("INSERT INTO seen VALUES (5)")
+
+    @contextlib.contextmanager
+    def pooled() -> Iterator[psycopg.Connection[Any]]:
+        with psycopg.connect(db_url) as conn:
+            yield conn
+
+    connect: Any = (lambda: worker_conn) if source == "borrowed autocommit" else pooled
+    ran: list[str] = []
+    index = _swallowing(connect, ran)
+    task_id = uuid.uuid4()
+    with pytest.raises(AbortedTransactionError, match=r"t\.index\[.*\] returned, but a database"):
+        index(fake_task(task_id), 5)
+    assert ran == [str(task_id)]  # the body did return
+    assert processed(db_url) == set()
+    assert effects(db_url) == []
+    assert worker_conn.info.transaction_status.name == "IDLE"
+    assert index(fake_task(uuid.uuid4()), 6) == "indexed"  # no error: commits as before
+    worker_conn.execute("DELETE FROM seen")
+    assert index(fake_task(task_id), 5) == "indexed"  # the retry of the failed job runs
+    assert sorted(e[1] for e in effects(db_url)) == [5, 6]
+    assert task_id in processed(db_url)
+
+
+def test_an_error_caught_around_a_savepoint_commits(
+    db_url: str, worker_conn: psycopg.Connection[Any]
+) -> None:
+    worker_conn.execute("CREATE TABLE seen (annotation_id int PRIMARY KEY)")
+    worker_conn.execute("INSERT INTO seen VALUES (5)")
+
+    @effectively_once(lambda: worker_conn)
+    def index(task: Any, conn: psycopg.Connection[Any], annotation_id: int) -> str:
+        conn.execute("INSERT INTO effects VALUES (%s, %s)", (task.request.id, annotation_id))
+        with contextlib.suppress(psycopg.errors.UniqueViolation), conn.transaction():
+            conn.execute("INSERT INTO seen VALUES (%s)", (annotation_id,))
+        return "indexed"
+
+    task_id = uuid.uuid4()
+    assert index(fake_task(task_id), 5) == "indexed"
+    assert effects(db_url) == [(task_id, 5)]
+    assert processed(db_url) == {task_id}
+
+
+def test_an_on_skip_that_swallows_a_database_error_fails(
+    db_url: str, worker_conn: psycopg.Connection[Any]
+) -> None:
+    def on_skip(task: Any, conn: psycopg.Connection[Any]) -> None:
+        with contextlib.suppress(psycopg.errors.UndefinedTable):
+            conn.execute("INSERT INTO skips_not_created VALUES (1)")
+
+    body = effectively_once(lambda: worker_conn, on_skip=on_skip)(lambda task, conn: "ran")
+    task_id = uuid.uuid4()
+    assert body(fake_task(task_id)) == "ran"
+    with pytest.raises(AbortedTransactionError, match=r"t\.index\[.*\]: on_skip returned"):
+        body(fake_task(task_id))
+    assert processed(db_url) == {task_id}
+    assert worker_conn.info.transaction_status.name == "IDLE"

@@ -135,41 +135,6 @@ def test_sqlalchemy_session(db_url: str, engine: sqlalchemy.Engine) -> None:
 # -- Django ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def django_db(template_db: str) -> Iterator[str]:
-    """Django configured on a migrated database of this module (settings are per process)."""
-    import django
-    from django.conf import settings
-
-    if settings.configured:
-        pytest.fail("Django settings were already configured by another test module")
-    name = support.unique("drain_dj")
-    with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
-    settings.configure(
-        DATABASES={
-            "default": {
-                "ENGINE": "django.db.backends.postgresql",
-                "NAME": name,
-                "USER": "postgres",
-                "HOST": "127.0.0.1",
-                "PORT": "5432",
-            }
-        },
-        INSTALLED_APPS=[],
-        USE_TZ=True,
-    )
-    django.setup()
-    try:
-        yield support.database_url(name)
-    finally:
-        from django.db import connections
-
-        connections.close_all()
-        with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
 class Abort(Exception):
     """Raised to roll back an atomic() block."""
 

@@ -15,12 +15,14 @@ import datetime as dt
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
 from drain.errors import ConfigError, StagingError
 from drain.spark import mapping
+from tests.spark import helpers
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -67,6 +69,41 @@ def test_expressions_for_args_and_kwargs(spark: SparkSession) -> None:
     jobs = {r["_key"]: r for r in mapping.jobs(df, m, "r", 2).collect()}
     assert json.loads(jobs[1]["args"]) == [10, 2]
     assert json.loads(jobs[1]["kwargs"]) == {"annotation_id": 1, "upper": 'QUOTE " INSIDE'}
+
+
+def test_star_expressions_see_the_source_columns_only(spark: SparkSession) -> None:
+    """struct(*) and array(*) are the record: no column of drain's (issue 26, item 3)."""
+    df = spark.createDataFrame([(1, 10), (2, 20)], "id long, n long")
+    m = mapping.Mapping(task_name="t", key="id", tag="backfill.t", args_expr="array(*)",
+                        kwargs_expr="struct(*)")
+    for partitions in (None, 2):
+        jobs = {r["_key"]: r for r in mapping.jobs(df, m, "r", partitions).collect()}
+        assert {k: json.loads(j["kwargs"]) for k, j in jobs.items()} == {
+            1: {"id": 1, "n": 10}, 2: {"id": 2, "n": 20}}
+        assert {k: json.loads(j["args"]) for k, j in jobs.items()} == {1: [1, 10], 2: [2, 20]}
+
+
+def test_a_backfill_with_struct_star_stages_the_record_as_kwargs(
+    spark: SparkSession, db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every staged job's kwargs fit a task taking exactly the source's columns
+    (before: each job also had "_key", so index(id, text) failed on every job)."""
+    path = str(tmp_path / "records.parquet")
+    spark.range(0, 40).selectExpr("id", "concat('t', id) AS text").write.parquet(path)
+    result = helpers.run_json(
+        capsys, "backfill", "--database-url", db_url, "--source", f"parquet:{path}",
+        "--task", "search.index", "--kwargs-expr", "struct(*)", "--args-expr", "array(id)",
+        "--tag", "backfill.star", "--partitions", "3",
+    )
+    assert result["rows"] == 40
+
+    def index(id: int, text: str) -> tuple[int, str]:
+        return id, text
+
+    rows = helpers.staged(db_url, "backfill.star")
+    assert sorted(index(**r["kwargs"]) for r in rows) == [
+        (i, f"t{i}") for i in range(40)]
+    assert sorted(r["args"] for r in rows) == [[i] for i in range(40)]
 
 
 def test_expressions_of_the_wrong_type_are_refused(spark: SparkSession) -> None:

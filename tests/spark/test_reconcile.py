@@ -165,6 +165,80 @@ def test_downstream_exported_as_files(
     assert _counts(no_versions) == {"missing": 7, "stale": 0, "extra": 1}
 
 
+def _files(spark: SparkSession, tmp_path: Path, truth: list[tuple[Any, ...]],
+           downstream: list[tuple[Any, ...]]) -> tuple[str, ...]:
+    """Both sides as Parquet files (id, version); the reconcile argv comparing them."""
+    paths = []
+    for name, rows in (("truth", truth), ("downstream", downstream)):
+        path = str(tmp_path / f"{name}.parquet")
+        spark.createDataFrame(rows, "id long, version long").write.parquet(path)
+        paths.append(path)
+    return ("--source", f"parquet:{paths[0]}", "--downstream", f"parquet:{paths[1]}",
+            "--version-column", "version", "--partitions", "2")
+
+
+@pytest.mark.parametrize("side", ["source", "downstream"])
+def test_null_ids_are_counted_apart_and_never_staged(
+    spark: SparkSession, db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    side: str,
+) -> None:
+    """Before: a NULL downstream id was a missing source record (missing.sample [null, 2],
+    source_records 8 for 7 rows) and --stage failed on its NULL key, staging nothing."""
+    truth: list[tuple[int | None, int]] = [(i, 1) for i in range(1, 8)]
+    downstream: list[tuple[int | None, int]] = [(i, 1) for i in range(1, 8) if i != 2]
+    (truth if side == "source" else downstream).append((None, 1))
+    argv = ("reconcile", "--database-url", db_url,
+            *_files(spark, tmp_path, truth, downstream))
+    report = helpers.run_json(capsys, *argv)
+    assert _counts(report) == {"missing": 1, "stale": 0, "extra": 0}
+    assert report["missing"]["sample"] == [2]
+    assert (report["source_records"], report["downstream_records"], report["ok"]) == (
+        len(truth), len(downstream), 6)
+    assert report["null_ids"] == {"source": int(side == "source"),
+                                  "downstream": int(side == "downstream")}
+    code, out, _ = helpers.run(capsys, *argv)
+    assert code == 0
+    assert (f"  NULL id: {int(side == 'source')} source row(s), "
+            f"{int(side == 'downstream')} downstream row(s)") in out
+
+    staged = helpers.run_json(capsys, *argv, "--stage", "--task", TASK, "--kwargs",
+                              "annotation_id=id", "--tag", "reconcile.nulls", "--id", "r1")
+    assert staged["staged"]["rows"] == 1
+    assert [r["kwargs"] for r in helpers.staged(db_url)] == [{"annotation_id": 2}]
+
+
+def test_duplicated_ids_are_counted_once_on_each_side(
+    spark: SparkSession, db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Source id 3 on two rows (versions 1, 2), downstream id 4 on three rows: each id
+    counts once, 3 as its newest version (stale), and the rows are reported. Before:
+    id 3 was compared twice (ok and stale) and no duplicate was reported: ok 5,
+    downstream_records 7 for 8 rows."""
+    truth = [(i, 1) for i in range(1, 7)] + [(3, 2)]
+    downstream = [(i, 1) for i in range(1, 6)] + [(4, 1), (4, 1), (9, 1)]
+    argv = ("reconcile", "--database-url", db_url,
+            *_files(spark, tmp_path, truth, downstream))
+    report = helpers.run_json(capsys, *argv)
+    assert _counts(report) == {"missing": 1, "stale": 1, "extra": 1}
+    assert (report["missing"]["sample"], report["stale"]["sample"]) == ([6], [3])
+    assert (report["source_records"], report["downstream_records"], report["ok"]) == (7, 8, 4)
+    assert report["duplicate_ids"] == {
+        "source": {"count": 1, "rows": 2, "sample": [3]},
+        "downstream": {"count": 1, "rows": 3, "sample": [4]},
+    }
+    assert report["null_ids"] == {"source": 0, "downstream": 0}
+    code, out, _ = helpers.run(capsys, *argv)
+    assert code == 0
+    assert "  duplicated: 1 source id(s) on 2 rows" in out
+    assert "  duplicated: 1 downstream id(s) on 3 rows" in out
+
+    staged = helpers.run_json(capsys, *argv, "--stage", "--task", TASK, "--kwargs",
+                              "id,version", "--tag", "reconcile.dups", "--id", "r1")
+    assert staged["staged"]["rows"] == 2
+    assert sorted((r["kwargs"]["id"], r["kwargs"]["version"]) for r in helpers.staged(db_url)
+                  ) == [(3, 2), (6, 1)]
+
+
 def test_stage_without_task_is_a_usage_error(
     spark: SparkSession, db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
