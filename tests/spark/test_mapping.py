@@ -3,7 +3,9 @@
 * Task ids are RFC 4122 uuid5s, identical to Python's uuid.uuid5 for the same
   backfill id and key (non-ASCII keys included).
 * Args and kwargs are strict JSON whatever the values (quotes, backslashes,
-  NULLs, non-ASCII), from columns or from expressions of the right type.
+  NULLs, non-ASCII), from columns or from expressions of the right type;
+  ``struct(*)`` and ``array(*)`` are the source's columns only, and a Celery
+  worker runs a task taking exactly them.
 * A spread puts not_before inside the window, the same for a key every time.
 * Each job's _bucket is the partition Spark's hash partitioning puts it in.
 * Importing drain (its CLI included) does not import pyspark.
@@ -16,12 +18,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from drain.errors import ConfigError, StagingError
 from drain.spark import mapping
+from tests import support
 from tests.spark import helpers
 
 if TYPE_CHECKING:
@@ -104,6 +107,32 @@ def test_a_backfill_with_struct_star_stages_the_record_as_kwargs(
     assert sorted(index(**r["kwargs"]) for r in rows) == [
         (i, f"t{i}") for i in range(40)]
     assert sorted(r["args"] for r in rows) == [[i] for i in range(40)]
+
+
+def test_a_celery_worker_runs_every_job_of_a_struct_star_backfill(
+    spark: SparkSession, db_url: str, queue: str, spawn: Any, *, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """celery_app's search.index_annotation(annotation_id) gets exactly its kwargs from
+    struct(*) of a one-column source (before: each job also had _key: a TypeError)."""
+    path = str(tmp_path / "annotations.parquet")
+    spark.range(1, 11).selectExpr("id AS annotation_id").write.parquet(path)
+    env = support.drain_env(db_url)
+    worker = spawn(support.celery_argv(queue), env, "worker")
+    runner = spawn(support.drain_argv("run", "--poll-interval", "0.5"), env, "drain")
+    worker.wait_for_output("ready.", timeout=60)
+    runner.wait_for_output("broker connected", timeout=30)
+    result = helpers.run_json(
+        capsys, "backfill", "--database-url", db_url, "--source", f"parquet:{path}",
+        "--key", "annotation_id", "--task", "search.index_annotation",
+        "--kwargs-expr", "struct(*)", "--queue", queue, "--tag", "backfill.star",
+        "--partitions", "2",
+    )
+    assert result["rows"] == 10
+    support.wait_for(lambda: len(support.executed(db_url)) == 10, 90,
+                     "the worker to run 10 index_annotation jobs")
+    assert sorted(r["kwargs"]["annotation_id"] for r in support.executed(db_url)) == list(
+        range(1, 11))
 
 
 def test_expressions_of_the_wrong_type_are_refused(spark: SparkSession) -> None:
