@@ -567,3 +567,14 @@ def sentinel(conn: psycopg.Connection[Any]) -> dict[str, object]:
     row = conn.execute(sql.query("schema_present")).fetchone()
     assert row is not None
     return {"class": WAKE_CLASS, "key": row[0]}
+
+
+def nested(depth: int) -> list[Any]:
+    """A list nested ``depth`` deep: ``[[[...]]]`` (deeper than the recursion limit
+    for staging's refusal of deep arguments)."""
+    top: list[Any] = []
+    inner = top
+    for _ in range(depth - 1):
+        inner.append([])
+        inner = inner[0]
+    return top

@@ -191,16 +191,6 @@ def test_task_stage_checks_the_arguments_as_apply_async_does(
     assert [r["args"] for r in _rows(db_url)] == [[1, 2, 3]]
 
 
-def _nested(depth: int) -> list[Any]:
-    """A list nested ``depth`` deep: ``[[[...]]]``."""
-    top: list[Any] = []
-    inner = top
-    for _ in range(depth - 1):
-        inner.append([])
-        inner = inner[0]
-    return top
-
-
 #: Callbacks and chain steps holding what jsonb refuses: each must raise
 #: StagingError before any SQL, as the same value in the main args does.
 BAD_EMBEDS: dict[str, Any] = {
@@ -211,7 +201,7 @@ BAD_EMBEDS: dict[str, Any] = {
     "chain-step-kwarg": lambda t: t.s(1, 2) | t.s(y={"k": ["\ud800"]}),
     "chain-link_error": lambda t: (t.s(1, 2) | t.s(3)).set(link_error=t.si("\udfff", 0)),
     "link-NUL": lambda t: t.s(1, 2).set(link=t.s("a\x00")),
-    "link-nested": lambda t: t.s(1, 2).set(link=t.s(_nested(3000))),
+    "link-nested": lambda t: t.s(1, 2).set(link=t.s(support.nested(3000))),
 }
 
 

@@ -223,22 +223,12 @@ def test_stage_many_empty(db_url: str, engine: sqlalchemy.Engine) -> None:
 
 # -- bad input -----------------------------------------------------------------------------
 
-def _nested(depth: int) -> list[Any]:
-    """A list nested ``depth`` deep: ``[[[...]]]``."""
-    top: list[Any] = []
-    inner = top
-    for _ in range(depth - 1):
-        inner.append([])
-        inner = inner[0]
-    return top
-
-
 BAD_CALLS: list[tuple[str, dict[str, Any]]] = [
     ("set in args", {"task_name": "t.bad", "args": [{1, 2}]}),
     ("expires beyond the broker's limit", {"task_name": "t.bad",
                                            "expires": dt.datetime(2099, 1, 1)}),
     ("countdown out of range", {"task_name": "t.bad", "countdown": 1e12}),
-    ("args nested too deeply", {"task_name": "t.bad", "args": [_nested(5000)]}),
+    ("args nested too deeply", {"task_name": "t.bad", "args": [support.nested(5000)]}),
     ("lone surrogate in args", {"task_name": "t.bad", "args": ["\udcff"]}),
     ("lone surrogate in kwargs key", {"task_name": "t.bad", "kwargs": {"\ud800": 1}}),
     ("lone surrogate in task name", {"task_name": "t.bad\ud800"}),

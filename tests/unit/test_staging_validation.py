@@ -15,16 +15,7 @@ from kombu.utils.json import dumps, loads
 import drain
 from drain.errors import StagingError, UnsupportedConnection
 from drain.limits import MAX_EXPIRES
-
-
-def _nested(depth: int) -> list[Any]:
-    """A list nested ``depth`` deep: ``[[[...]]]``."""
-    top: list[Any] = []
-    inner = top
-    for _ in range(depth - 1):
-        inner.append([])
-        inner = inner[0]
-    return top
+from tests import support
 
 
 class RecordingCursor:
@@ -68,9 +59,9 @@ class RecordingConnection:
         ({"args": ["a\x00b"]}, "NUL"),
         ({"args": [b"a\x00b"]}, "args for t contain a NUL"),
         ({"kwargs": {"x": "\ud800"}}, "kwargs for t is not valid Unicode"),
-        ({"args": [_nested(5000)]}, "args for t are nested too deeply"),
-        ({"kwargs": {"x": _nested(5000)}}, "kwargs for t are nested too deeply"),
-        ({"args": [uuid.uuid4(), _nested(5000)]}, "args for t are nested too deeply"),
+        ({"args": [support.nested(5000)]}, "args for t are nested too deeply"),
+        ({"kwargs": {"x": support.nested(5000)}}, "kwargs for t are nested too deeply"),
+        ({"args": [uuid.uuid4(), support.nested(5000)]}, "args for t are nested too deeply"),
         ({"queue": ""}, "1 to 255 bytes"),
         ({"queue": "q" * 256}, "1 to 255 bytes"),
         ({"task_id": "not-a-uuid"}, "not a UUID"),
@@ -186,7 +177,7 @@ def test_an_expiry_within_the_brokers_limit_is_staged() -> None:
     drain.Job("t.x", expires=dt.datetime(2099, 1, 1)),
     {"task_name": "t.x", "expires": 400_000_000},
     drain.Job("t.x", countdown=1e12),
-    drain.Job("t.x", args=[_nested(5000)]),
+    drain.Job("t.x", args=[support.nested(5000)]),
 ], ids=["Job-expires", "mapping-expires", "countdown-overflow", "nested"])
 def test_stage_many_refuses_the_same_before_any_sql(job: Any) -> None:
     conn = RecordingConnection()
