@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import json
 import os
 import re
 import socket
@@ -184,11 +183,9 @@ def build(
     and default priority (a row's own non-zero priority wins, on a priority queue).
     """
     task_id = str(row.task_id)
-    # Plain JSON decodes with json.loads; kombu's type markers with kombu's decoder.
-    args = (json.loads(row.args_json) if encoding.MARKER not in row.args_json
-            else encoding.decode(row.args_json))
-    kwargs = (json.loads(row.kwargs_json) if encoding.MARKER not in row.kwargs_json
-              else encoding.decode(row.kwargs_json))
+    # As the worker decodes them: kombu's type markers as the types they stand for.
+    args = encoding.decode(row.args_json)
+    kwargs = encoding.decode(row.kwargs_json)
     limits = _REPR_LIMITS if destination is None else destination.repr_limits
     # Celery sends ``args or ()``: empty args show as "()", as the worker logs them.
     argsrepr = task_repr(args, limits[0], limits[2]) if args else "()"
