@@ -110,17 +110,23 @@ def _wait_runs(db_url: str, what: str,
     return found
 
 
-def test_a_celery_worker_runs_chains_and_callbacks_to_their_end(
-    db_url: str, suffix: str, app: Celery, spawn: Any
-) -> None:
+def _worker_and_drain(db_url: str, suffix: str, spawn: Any, name: str) -> None:
+    """A real worker on the app's default queue (ready) and ``drain run --app``
+    beside it."""
     env = _env(db_url, suffix)
     default = routing_app.names(suffix)["default"]
     worker = spawn([*support.celery_argv(default)[:3], "-A", "tests.routing_app", "worker",
                     "-Q", default, "-P", "threads", "-c", "1", "--without-gossip",
-                    "--without-mingle", "-l", "info", "-n", f"cv{suffix}@%h"], env, "worker")
+                    "--without-mingle", "-l", "info", "-n", f"{name}{suffix}@%h"], env, "worker")
     worker.wait_for_output("ready.", timeout=60)
     spawn(support.drain_argv("run", "--app", "tests.routing_app", "--poll-interval", "0.2"),
           env, "drain")
+
+
+def test_a_celery_worker_runs_chains_and_callbacks_to_their_end(
+    db_url: str, suffix: str, app: Celery, spawn: Any
+) -> None:
+    _worker_and_drain(db_url, suffix, spawn, "cv")
     add, fail, on_error = (app.tasks[f"canvas.{n}"] for n in ("add", "fail", "on_error"))
 
     three = add.s(1, 2) | add.s(3) | add.s(4)
@@ -168,14 +174,7 @@ def test_a_worker_gets_kombus_types_as_from_apply_async_and_runs_starmap(
     """UUID, datetime, date, time, Decimal and bytes staged (by name, as a
     signature, as task.stage) reach a real worker as the same types as from
     apply_async; task.starmap is one task that runs the task for each item."""
-    env = _env(db_url, suffix)
-    default = routing_app.names(suffix)["default"]
-    worker = spawn([*support.celery_argv(default)[:3], "-A", "tests.routing_app", "worker",
-                    "-Q", default, "-P", "threads", "-c", "1", "--without-gossip",
-                    "--without-mingle", "-l", "info", "-n", f"ty{suffix}@%h"], env, "worker")
-    worker.wait_for_output("ready.", timeout=60)
-    spawn(support.drain_argv("run", "--app", "tests.routing_app", "--poll-interval", "0.2"),
-          env, "drain")
+    _worker_and_drain(db_url, suffix, spawn, "ty")
     types, add = app.tasks["canvas.types"], app.tasks["canvas.add"]
     kwargs = {"at": KOMBU_VALUES[1], "ids": [KOMBU_VALUES[0]], "amount": KOMBU_VALUES[5]}
     with psycopg.connect(db_url) as conn:
