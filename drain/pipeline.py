@@ -86,8 +86,6 @@ class Pipeline:
         self.inflight: list[Batch] = []
         #: The staged queues left out of the fetch for a while, and why (drain.holds).
         self.holds = Holds()
-        #: Rows published and not yet accounted for -> the queue they went to.
-        self._queue_of: dict[int, str] = {}
         #: Rows the broker confirmed, this process's lifetime.
         self.published = 0
         #: Removes rows only as they were read; holds out the ones that keep changing.
@@ -100,7 +98,6 @@ class Pipeline:
         """Drop the batches in flight: their rows stay staged, published again later."""
         self.inflight = []
         self.settle.forget()
-        self._queue_of = {}
 
     def cycle(self, *, stopping: bool = False) -> int:
         """One transaction: publish a new batch, settle the oldest one in flight.
@@ -268,7 +265,6 @@ class Pipeline:
                 self.holds.rows[row.id] = queue  # out of the fetch while it is paused
         publishable = [(row, queue) for row, queue in targets
                        if queue not in refused and queue not in paused]
-        self._queue_of.update((row.id, queue) for row, queue in publishable)
         if not publishable:
             return None
         self._prove_lock()
@@ -400,9 +396,7 @@ class Pipeline:
         self.metrics.published.inc(len(result.confirmed))
         self.metrics.unroutable.inc(len(result.returned))
         self.metrics.nacked.inc(result.nacked)
-        went = {row_id: self._queue_of.pop(row_id, "") for row_id in
-                result.confirmed + result.returned + [m.row_id for m, _ in result.refused]}
-        confirmed = {went[row_id] for row_id in result.confirmed}
+        confirmed = result.confirmed_queues
         self.holds.resume(confirmed - result.returned_declared)
         for queue in sorted(result.returned_declared):
             # Unroutable: nothing bound to it (deleted behind our back?). Declare
@@ -410,7 +404,7 @@ class Pipeline:
             self._publisher.forget(queue)
             self.holds.pause(queue, f"messages to queue {queue!r} came back unroutable (no "
                                     "queue bound); their rows stay staged")
-        self.holds.rows.update((row_id, went[row_id]) for row_id in result.returned)
+        self.holds.rows.update(result.returned_to)
         if result.nacked:
             log.warning("broker nacked %d message(s); their rows stay staged", result.nacked)
         for queue in sorted(result.nacked_queues):

@@ -129,15 +129,20 @@ class PublishResult:
     error: BrokerUnavailable | None = None
     #: The (staged) queues of the returned messages: the drain pauses these.
     returned_queues: set[str] = dataclasses.field(default_factory=set)
-    #: The (staged) queues of the acked messages.
+    #: The queues declared for (the app routed them to) the confirmed messages.
     confirmed_queues: set[str] = dataclasses.field(default_factory=set)
-    #: The queues declared for the returned messages: declared again next time.
-    returned_declared: set[str] = dataclasses.field(default_factory=set)
+    #: Row id -> the queue declared for its returned message.
+    returned_to: dict[int, str] = dataclasses.field(default_factory=dict)
     #: Messages the broker refused by closing the channel, and what becomes of
     #: their rows (drain.refusal).
     refused: list[tuple[Message, Refusal]] = dataclasses.field(default_factory=list)
     #: The (staged) queues of the nacked messages: the drain pauses these.
     nacked_queues: set[str] = dataclasses.field(default_factory=set)
+
+    @property
+    def returned_declared(self) -> set[str]:
+        """The queues declared for the returned messages: declared again next time."""
+        return set(self.returned_to.values())
 
 
 class Publisher(RefusalProbingLink):
@@ -294,14 +299,14 @@ class Publisher(RefusalProbingLink):
         status = batch.status
         returned = [m for i, m in enumerate(batch.messages) if status[i] & RETURNED]
         confirmed_queues = {
-            m.pause_key for i, m in enumerate(batch.messages) if status[i] & ACKED
+            m.declared_queue for i, m in enumerate(batch.messages) if status[i] == ACKED
         }
         confirmed = [m.row_id for i, m in enumerate(batch.messages) if status[i] == ACKED]
         nacked = sum(1 for value in status if value & NACKED)
         return PublishResult(
             confirmed, [m.row_id for m in returned], nacked, error,
             {m.pause_key for m in returned}, confirmed_queues,
-            {m.declared_queue for m in returned},
+            {m.row_id: m.declared_queue for m in returned},
             [(batch.messages[i], refusal) for i, refusal in sorted(batch.refusals.items())],
             {m.pause_key for i, m in enumerate(batch.messages) if status[i] & NACKED},
         )
