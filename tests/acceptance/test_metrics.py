@@ -92,6 +92,9 @@ def test_the_sampled_backlog_and_oldest_transaction_match_the_database(
     with psycopg.connect(db_url) as idle:
         idle.execute("SELECT 1")  # an open transaction, idle: what vacuum waits for
         _start(spawn, db_url, port, "leader")
+        # The sampler runs from the start, whatever the role: wait for the lock too, which
+        # a loaded machine can take after the first sample.
+        support.wait_for(lambda: _value(port, "drain_lock_held") == 1, 30, "the lock")
         support.wait_for(lambda: _value(port, "drain_backlog_rows") == 7, 30, "the backlog")
         support.wait_for(lambda: (_value(port, "drain_oldest_transaction_age_seconds") or 0) > 0,
                          30, "the oldest transaction")
