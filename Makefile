@@ -6,7 +6,9 @@
 #   make test       the whole suite; ARGS are passed to pytest: make test ARGS='-k crash -x'
 #   make test-unit  only tests/unit (needs no services)
 #   make test-spark-cluster  the spark_cluster tests: a standalone Spark cluster (not in make test)
-#   make lint       ruff check and mypy --strict
+#   make lint       ruff check, mypy --strict and make docs
+#   make docs       the guides in docs/ as a site (build/site), mkdocs in strict mode: a broken
+#                   link or anchor fails it (tests/docs/test_links.py checks the README's)
 #   make bench      every benchmark in order, then one summary table (bench/summary.py):
 #                   bench-profile (throughput + profile), bench-latency, bench-staging
 #                   (concurrent writers, pgbench), bench-mvcc, bench-memory, bench-lanes,
@@ -36,7 +38,7 @@ BENCH_STAMP := $(VENV)/.bench-installed
 TEST_CMD := $(BIN)/python -m pytest
 ARGS ?=
 
-.PHONY: venv services demo test test-unit test-spark-cluster lint soak soak-interleavings clean
+.PHONY: venv services demo test test-unit test-spark-cluster lint docs soak soak-interleavings clean
 .PHONY: bench bench-throughput bench-latency bench-mvcc bench-memory bench-lanes bench-priority
 .PHONY: bench-staging bench-crashes bench-paused
 .PHONY: bench-profile bench-spark bench-deps bench-smoke
@@ -82,9 +84,12 @@ test-spark-cluster: services venv
 test-unit: venv
 	$(call run_tests,tests/unit $(ARGS))
 
-lint: venv
+lint: venv docs
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+
+docs: venv
+	$(BIN)/mkdocs build --strict --quiet
 
 # One at a time and in this order (they share 2 cores), whatever -j says. Results of an
 # earlier run are removed first, so the summary is this run's; a bench that fails shows

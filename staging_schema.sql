@@ -28,7 +28,7 @@
 --                   dead_jobs and drain_processed.
 --   drain_consumer  drain.consumer in the workers: SELECT, INSERT on drain_processed.
 --
--- Give them to your login roles (the README's "Database roles" has the recipe):
+-- Give them to your login roles (docs/running.md, "Database roles", has the recipe):
 --
 --   GRANT drain_stager TO my_app;
 --   GRANT drain_runner, pg_read_all_stats TO my_drain;

@@ -44,7 +44,7 @@ class Exit(enum.IntEnum):
     USAGE = 2  #: bad flags, settings or input
     UNAVAILABLE = 3  #: Postgres or RabbitMQ cannot be reached or refused us
     SCHEMA = 4  #: staged_jobs is missing: run `drain migrate`
-    PRIVILEGE = 5  #: the database role lacks a grant (README, "Database roles")
+    PRIVILEGE = 5  #: the database role lacks a grant (docs/running.md, "Database roles")
     PARTITIONING = 6  #: a backfill resume would partition its records differently
 
 

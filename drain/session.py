@@ -322,7 +322,7 @@ def refusal(exc: psycopg.Error, display: str, needs: str) -> DrainError | None:
     None for any other error."""
     if isinstance(exc, psycopg.errors.InsufficientPrivilege):
         return PermissionDenied(
-            f"database {display}: {first_line(exc)} (README, \"Database roles\": {needs})")
+            f"database {display}: {first_line(exc)} (docs/running.md, \"Database roles\": {needs})")
     if isinstance(exc, psycopg.errors.UndefinedTable):
         return SchemaMissing(
             f"database {display} has no drain schema ({first_line(exc)}): run `drain migrate` "

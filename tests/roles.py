@@ -1,10 +1,10 @@
-"""Least-privileged login roles for the tests: the README's "Database roles".
+"""Least-privileged login roles for the tests: docs/running.md, "Database roles".
 
 ``drain migrate`` creates four group roles and grants them, in each database,
 what their commands need (staging_schema.sql). Postgres roles belong to the
 whole cluster, so the login roles here are created once (:func:`ensure`, which
 the ``template_db`` fixture calls) and serve every per-test database, each
-holding one group role as the README shows:
+holding one group role as docs/running.md shows:
 
 =====================  ==========================================  =======================
 login role             granted                                      runs
@@ -51,7 +51,7 @@ RUNNER = "drain_test_runner"
 OPERATOR = "drain_test_operator"
 CONSUMER = "drain_test_consumer"
 
-#: Each login role and what it is granted (the README's recipe).
+#: Each login role and what it is granted (the recipe in docs/running.md).
 GRANTS = {
     STAGER: "drain_stager",
     RUNNER: "drain_runner, pg_read_all_stats",
@@ -59,7 +59,7 @@ GRANTS = {
     CONSUMER: "drain_consumer",
 }
 
-#: Which role runs each ``drain`` command (README, "Database roles").
+#: Which role runs each ``drain`` command (docs/running.md, "Database roles").
 COMMAND_ROLES = {
     "run": RUNNER, "status": RUNNER,
     "stage": OPERATOR, "dead": OPERATOR, "processed": OPERATOR,

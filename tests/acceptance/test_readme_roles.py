@@ -38,7 +38,9 @@ import drain
 from drain import consumer
 from tests import roles, support
 
-README = (support.ROOT / "README.md").read_text()
+#: The guides the recipe and the staging paths are taken from.
+README = "\n".join((support.ROOT / "docs" / name).read_text()
+                   for name in ("running.md", "staging.md"))
 README_ROLES = ("my_app", "my_drain", "my_ops", "my_worker")
 
 
@@ -46,7 +48,7 @@ def readme_sql(after: str) -> str:
     """The first ```sql block of the README after the line ``after``."""
     start = README.index(after)
     match = re.search(r"```sql\n(.*?)```", README[start:], re.DOTALL)
-    assert match, f"no sql block after {after!r} in README.md"
+    assert match, f"no sql block after {after!r} in docs/running.md or docs/staging.md"
     return match.group(1)
 
 
@@ -110,7 +112,7 @@ def test_the_readme_roles_recipe(
     cli = support.run_cli
     # `drain migrate` as the owner, then the README's roles block as the owner.
     _ok(cli(s.url("owner"), "migrate", env=s.env("owner")))
-    roles_sql = readme_sql("### Database roles")
+    roles_sql = readme_sql("## Database roles")
     for name in README_ROLES:
         roles_sql = re.sub(rf"\b{name}\b", s.role(name), roles_sql)
     with psycopg.connect(s.url("owner"), autocommit=True) as owner:
@@ -123,7 +125,7 @@ def test_the_readme_roles_recipe(
 
     # my_app stages by every documented path.
     plain = readme_sql("From plain SQL:").replace("'mail'", f"'{s.mail}'")
-    bulk = readme_sql("### Bulk staging in SQL")
+    bulk = readme_sql("## Bulk staging in SQL")
     with psycopg.connect(s.url("my_app")) as app:
         for statement in filter(str.strip, re.sub(r"--.*", "", plain).split(";")):
             cur = app.execute(statement)

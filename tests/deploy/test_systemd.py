@@ -115,7 +115,8 @@ def test_every_drain_variable_the_deployment_files_name_exists() -> None:
     known = common.all_env_names()
     paths = [*common.SYSTEMD.iterdir(), common.DEPLOY / "drain.env.example",
              common.COMPOSE_FILE, common.DEPLOY / "Dockerfile",
-             *common.KUBERNETES.iterdir(), common.ROOT / "README.md"]
+             *common.KUBERNETES.iterdir(), common.ROOT / "README.md",
+             *(common.ROOT / "docs" / name for name in ("running.md", "operations.md"))]
     for path in paths:
         unknown = common.drain_tokens(path.read_text()) - known
         assert not unknown, f"{path.relative_to(common.ROOT)} names {unknown}"

@@ -1,4 +1,4 @@
-"""The drain under the README's least-privileged roles (tests/roles.py).
+"""The drain under the least-privileged roles of docs/running.md (tests/roles.py).
 
 * A drain whose role is granted ``drain_runner`` takes the lock and delivers,
   its metrics sampler and ``drain status`` read what they need.

@@ -331,7 +331,7 @@ def assert_refused(conn: psycopg.Connection[Any], statement: str) -> None:
 
 
 def test_grants(db_url: str) -> None:
-    """Each role of tests/roles.py (the README's recipe) can do what its commands
+    """Each role of tests/roles.py (the recipe in docs/running.md) can do what its commands
     need, and nothing else."""
     urls = roles.of(db_url)
     with psycopg.connect(db_url, autocommit=True) as owner:
