@@ -9,6 +9,7 @@ from __future__ import annotations
 from drain.consumer import ConsumerError, claim, effectively_once, purge
 from drain.errors import DrainError, StagingError
 from drain.staging import Job, stage, stage_many
+from drain.version import VERSION as __version__
 
 __all__ = [
     "ConsumerError",
@@ -22,4 +23,3 @@ __all__ = [
     "stage",
     "stage_many",
 ]
-__version__ = "0.1.0"

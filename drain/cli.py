@@ -24,7 +24,7 @@ from typing import Any
 
 import psycopg
 
-from drain import __version__, cli_dead, cli_status, config, options, session, sql, store, urls
+from drain import cli_dead, cli_status, config, options, session, sql, store, urls, version
 from drain.cli_common import (
     ENV_NOTE,
     EXIT_CODES,
@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
         "3 database or broker unavailable, 4 schema missing (run `drain migrate`), "
         "5 permission denied (the database role lacks a grant).",
     )
-    parser.add_argument("--version", action="version", version=f"drain {__version__}")
+    parser.add_argument("--version", action="version", version=version.describe())
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="debug logging and tracebacks on errors"
     )

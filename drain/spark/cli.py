@@ -2,7 +2,7 @@
 
 :func:`add_parsers` registers both on the ``drain`` command's subparsers.
 Nothing here imports pyspark until a handler runs, so ``drain --help`` and the
-rest of drain work without it (``pip install 'drain[spark]'`` adds it).
+rest of drain work without it (``pip install 'drain-outbox[spark]'`` adds it).
 ``python -m drain.spark`` runs the two commands alone (also the entry point
 to give ``spark-submit``, see docs/spark.md).
 """
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from drain import cli_common
+from drain import cli_common, version
 from drain.errors import ConfigError, DatabaseUnavailable, DrainError
 from drain.spark import errors, sources
 from drain.spark import mapping as mapping_
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 _EPILOG = (
-    "Runs on Spark: local[*] by default (pip install 'drain[spark]' and a Java runtime), or "
+    "Runs on Spark: local[*] by default (pip install 'drain-outbox[spark]' and a Java runtime), or "
     "on a cluster through spark-submit (see docs/spark.md). Exit codes: 0 ok, 1 unexpected "
     "error, 2 bad usage or input, 3 database unavailable, 4 schema missing."
 )
@@ -362,13 +362,11 @@ describe = errors.describe
 
 def build_parser() -> argparse.ArgumentParser:
     """A ``drain`` parser with only the Spark commands (for ``python -m drain.spark``)."""
-    from drain import __version__  # noqa: PLC0415
-
     parser = argparse.ArgumentParser(
         prog="drain", description="drain's Spark commands: backfill and reconcile.",
         epilog=_EPILOG,
     )
-    parser.add_argument("--version", action="version", version=f"drain {__version__}")
+    parser.add_argument("--version", action="version", version=version.describe())
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="debug logging and tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
