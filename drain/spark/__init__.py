@@ -1,4 +1,6 @@
-"""drain on Spark: ``drain backfill`` and ``drain reconcile`` (``pip install 'drain[spark]'``).
+"""drain on Spark: ``drain backfill`` and ``drain reconcile``.
+
+pyspark comes with ``pip install 'drain-outbox[spark]'``.
 
 The modules follow the data: :mod:`~drain.spark.sources` reads files or
 Postgres over JDBC, :mod:`~drain.spark.mapping` turns records into

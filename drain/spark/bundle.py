@@ -10,7 +10,7 @@
 
 drain's dependencies (psycopg, pika, celery, tenacity, pyarrow, pandas) are
 not in the zip: they come from the interpreter the nodes run
-(``spark.pyspark.python``), where ``pip install 'drain[spark]'`` put them.
+(``spark.pyspark.python``), where ``pip install 'drain-outbox[spark]'`` put them.
 See docs/spark.md.
 """
 

@@ -1,7 +1,7 @@
 """The SparkSession drain's Spark commands run on.
 
 Locally (the default) the session is ``local[*]``: no cluster, nothing to
-install but ``pip install drain[spark]`` and a Java runtime. Executors run the
+install but ``pip install 'drain-outbox[spark]'`` and a Java runtime. Executors run the
 interpreter that runs drain (``PYSPARK_PYTHON`` defaults to it), and Debian's
 Postgres JDBC driver (``/usr/share/java/postgresql.jar``, package
 ``libpostgresql-jdbc-java``) is put on the classpath when it is there.
@@ -18,6 +18,9 @@ import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from drain.errors import ConfigError
+from drain.version import DISTRIBUTION
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -49,7 +52,15 @@ def get_session(master: str | None, app_name: str) -> tuple[SparkSession, bool]:
     ``master`` is ``--master`` / ``DRAIN_SPARK_MASTER``; ``None`` means
     ``local[*]``, except under spark-submit, whose master is kept.
     """
-    from pyspark.sql import SparkSession  # noqa: PLC0415 - pyspark is optional
+    try:
+        from pyspark.sql import SparkSession  # noqa: PLC0415 - pyspark is optional
+    except ModuleNotFoundError as exc:
+        if exc.name != "pyspark":
+            raise
+        raise ConfigError(
+            f"pyspark is not installed: pip install '{DISTRIBUTION}[spark]' (Spark also "
+            "needs a Java 17+ runtime; see docs/spark.md)"
+        ) from None
 
     active = SparkSession.getActiveSession()
     if active is not None:
