@@ -117,11 +117,13 @@ def processes(tmp_path: Path) -> Iterator[list[support.Process]]:
 def spawn(processes: list[support.Process], tmp_path: Path):  # type: ignore[no-untyped-def]
     counter = iter(range(1000))
 
-    def _spawn(argv: list[str], env: dict[str, str], name: str = "proc") -> support.Process:
+    def _spawn(argv: list[str], env: dict[str, str], name: str = "proc",
+               cwd: Path = support.ROOT) -> support.Process:
         # An idle Celery worker can take ~10 s to honour SIGTERM or SIGQUIT here;
         # a test's worker is only a consumer of a queue deleted at teardown: kill it.
         stop_signal = signal.SIGKILL if "celery" in argv else signal.SIGTERM
-        proc = support.Process(argv, env, tmp_path / f"{name}-{next(counter)}.log", stop_signal)
+        proc = support.Process(argv, env, tmp_path / f"{name}-{next(counter)}.log", stop_signal,
+                               cwd)
         processes.append(proc)
         return proc
 

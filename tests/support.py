@@ -241,7 +241,7 @@ class Process:
 
     def __init__(
         self, argv: list[str], env: dict[str, str], log_path: Path,
-        stop_signal: int = signal.SIGTERM,
+        stop_signal: int = signal.SIGTERM, cwd: Path = ROOT,
     ) -> None:
         self.argv = argv
         self.stop_signal = stop_signal
@@ -250,7 +250,7 @@ class Process:
         if argv[1:3] == ["-m", "drain"]:
             roles.census_note(env.get("DRAIN_DATABASE_URL"), f"drain {roles.command_of(argv[3:])}")
         self.proc = subprocess.Popen(
-            argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+            argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd,
             start_new_session=True,
         )
 

@@ -1,0 +1,182 @@
+"""drain as a user gets it: ``python -m build``, the wheel in a clean venv, the commands.
+
+One build (the sdist, then the wheel built from that sdist, as ``python -m build``
+does: so the sdist holds what a build needs) and one venv per session: ``python -m
+venv`` without system site packages, ``pip install <wheel>`` (dependencies from the
+package index or pip's cache). Every command runs from an empty directory with no
+``PYTHONPATH``, so the repository is never what gets imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import roles, support
+
+DISTRIBUTION = "drain-outbox"
+#: What the runtime reads from the package directory besides its modules.
+DATA_FILES = ("staging_schema.sql", "status.html", "queries.sql", "py.typed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Installed:
+    wheel: Path
+    sdist: Path
+    venv: Path
+    cwd: Path  # empty: nothing importable
+
+    @property
+    def drain(self) -> str:
+        return str(self.venv / "bin" / "drain")
+
+    @property
+    def python(self) -> str:
+        return str(self.venv / "bin" / "python")
+
+    def env(self, db_url: str, role: str, **extra: str) -> dict[str, str]:
+        env = support.drain_env(db_url, role, **extra)
+        for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
+            env.pop(name, None)
+        return env
+
+    def run(self, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, env=env, cwd=self.cwd, capture_output=True, text=True,
+                              timeout=300, check=False, stdin=subprocess.DEVNULL)
+
+
+def _checked(argv: list[str], env: dict[str, str] | None = None) -> None:
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, f"{argv} exited {done.returncode}:\n{done.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    """drain-outbox built from this checkout and installed from its wheel into a clean venv."""
+    root = tmp_path_factory.mktemp("package")
+    dist = root / "dist"
+    _checked([sys.executable, "-m", "build", "--outdir", str(dist), str(support.ROOT)])
+    (wheel,) = dist.glob("*.whl")
+    (sdist,) = dist.glob("*.tar.gz")
+    venv = root / "venv"
+    # This interpreter's pip installs into the venv (--python): the same install as the
+    # venv's own pip would do, without the ~10 s of seeding pip into it.
+    _checked([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    _checked([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
+              "install", "--quiet", str(wheel)], env=env)
+    cwd = root / "cwd"
+    cwd.mkdir()
+    return Installed(wheel, sdist, venv, cwd)
+
+
+@pytest.fixture
+def installed_db(installed: Installed, empty_db_url: str) -> Iterator[str]:
+    """A database migrated by the installed ``drain migrate`` (as its owner)."""
+    done = installed.run([installed.drain, "migrate"], installed.env(empty_db_url, roles.ADMIN))
+    assert done.returncode == 0, done.stderr
+    roles.ensure(support.ADMIN_URL)  # the tests' login roles, as the template database has
+    yield empty_db_url
+
+
+def _version_of_pyproject() -> str:
+    import tomllib
+
+    with (support.ROOT / "pyproject.toml").open("rb") as f:
+        project = tomllib.load(f)["project"]
+    assert project["name"] == DISTRIBUTION
+    return str(project["version"])
+
+
+def test_wheel_holds_the_package_data_and_the_command(installed: Installed) -> None:
+    version = _version_of_pyproject()
+    assert installed.wheel.name == f"drain_outbox-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(installed.wheel) as wheel:
+        names = set(wheel.namelist())
+        for name in DATA_FILES:
+            assert f"drain/{name}" in names, name
+        schema = wheel.read("drain/staging_schema.sql")
+        entry_points = wheel.read(f"drain_outbox-{version}.dist-info/entry_points.txt")
+    assert schema == (support.ROOT / "staging_schema.sql").read_bytes()
+    assert "drain = drain.cli:main" in entry_points.decode()
+    assert "drain/spark/backfill.py" in names
+    assert not {n for n in names if n.startswith(("tests/", "celery_app/", "bench/"))}
+
+
+def test_sdist_holds_what_a_build_needs_and_no_more(installed: Installed) -> None:
+    with tarfile.open(installed.sdist) as sdist:
+        names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
+    assert {"pyproject.toml", "README.md", "staging_schema.sql", "PKG-INFO"} <= names
+    # The schema is at the top (the wheel's build copies it into drain/).
+    assert {f"drain/{name}" for name in DATA_FILES if name != "staging_schema.sql"} <= names
+    assert not {n for n in names if n.startswith(("tests/", "bench/", "deploy/", "docs/"))}
+
+
+def test_installed_drain_says_its_version(installed: Installed) -> None:
+    env = installed.env("postgresql://unused@127.0.0.1/unused", roles.ADMIN)
+    metadata = installed.run(
+        [installed.python, "-c",
+         f"import importlib.metadata as m; print(m.version({DISTRIBUTION!r}))"], env)
+    assert metadata.stdout.strip() == _version_of_pyproject()
+    done = installed.run([installed.drain, "--version"], env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"drain {metadata.stdout.strip()} ({DISTRIBUTION})"
+
+
+def test_installed_drain_migrates_stages_and_drains(
+    installed: Installed, installed_db: str, queue: str
+) -> None:
+    stager = installed.env(installed_db, roles.STAGER)
+    # The application's side: the installed package, imported from the venv.
+    staged = installed.run([installed.python, "-c", (
+        "import json, os, sys, psycopg, drain\n"
+        "assert drain.__file__.startswith(sys.prefix), drain.__file__\n"
+        "with psycopg.connect(os.environ['DRAIN_DATABASE_URL']) as conn:\n"
+        "    ids = [drain.stage(conn, 'celery_app.record', [i], queue=sys.argv[1])\n"
+        "           for i in range(2)]\n"
+        "print(json.dumps([str(i) for i in ids]))\n"
+    ), queue], stager)
+    assert staged.returncode == 0, staged.stderr
+    task_ids = json.loads(staged.stdout)
+
+    runner = installed.env(installed_db, roles.RUNNER)
+    roles.census_note(runner["DRAIN_DATABASE_URL"], "drain run")
+    done = installed.run([installed.drain, "run", "--exit-when-empty"], runner)
+    assert done.returncode == 0, done.stderr
+    assert sorted(support.task_ids(support.drain_queue(queue))) == sorted(task_ids)
+    assert support.staged_count(installed_db) == 0
+
+
+def test_installed_drain_serves_its_status_page(
+    installed: Installed, installed_db: str, spawn: Callable[..., support.Process],
+) -> None:
+    port = support.free_port()
+    env = installed.env(installed_db, roles.RUNNER, DRAIN_METRICS_PORT=str(port))
+    roles.census_note(env["DRAIN_DATABASE_URL"], "drain run")
+    runner = spawn([installed.drain, "run"], env, "installed-drain", cwd=installed.cwd)
+    runner.wait_for_output("broker connected", timeout=60)
+    status, body = support.http_get(port, "/")
+    assert status == 200
+    assert body == (support.ROOT / "drain" / "status.html").read_text()
+
+
+def test_installed_drain_without_spark_says_how_to_add_it(
+    installed: Installed, installed_db: str
+) -> None:
+    done = installed.run(
+        [installed.drain, "backfill", "--source", "parquet:/nonexistent", "--task", "t.x",
+         "--tag", "test", "--id", "without-spark"],
+        installed.env(installed_db, roles.ADMIN))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        "drain: error: pyspark is not installed: pip install 'drain-outbox[spark]' (Spark "
+        "also needs a Java 17+ runtime; see docs/spark.md)")
