@@ -1,14 +1,15 @@
-"""The README's "Database roles" recipe, end to end, never as a superuser.
+"""The "Database roles" recipe of docs/running.md, end to end, never as a superuser.
 
 The superuser only sets the stage as a DBA would: a database owned by a login
-role that is no superuser (with CREATEROLE, as the README asks of the role
-running `drain migrate`). Everything else runs what the README shows, taken
-from its text: `drain migrate` as that owner, the README's CREATE ROLE / GRANT
-block as that owner (role names suffixed for this test, passwords filled in),
-then each README path as the role the README gives it:
+role that is no superuser (with CREATEROLE, as docs/running.md asks of the role
+running `drain migrate`). Everything else runs what the docs show, taken from
+their text by Sybil (tests/docs/blocks.py, which runs the other blocks and
+marks this one as run here): `drain migrate` as that owner, the CREATE ROLE /
+GRANT block as that owner (role names suffixed for this test, passwords filled
+in), then each documented path as the role the docs give it:
 
-* my_app stages by every documented path: the README's plain SQL (INSERT, and
-  INSERT ... RETURNING task_id), its bulk SQL (INSERT ... SELECT and
+* my_app stages by every path of docs/staging.md: the plain SQL (INSERT, and
+  INSERT ... RETURNING task_id), the bulk SQL (INSERT ... SELECT and
   SELECT drain_stage(...)), and drain.stage() in Python;
 * my_drain runs `drain run` twice (a leader and a standby), serves /metrics,
   and runs `drain status`;
@@ -37,19 +38,17 @@ import pytest
 import drain
 from drain import consumer
 from tests import roles, support
+from tests.docs import blocks
 
-#: The guides the recipe and the staging paths are taken from.
-README = "\n".join((support.ROOT / "docs" / name).read_text()
-                   for name in ("running.md", "staging.md"))
-README_ROLES = ("my_app", "my_drain", "my_ops", "my_worker")
+DOC_ROLES = ("my_app", "my_drain", "my_ops", "my_worker")
+RUNNING = support.ROOT / "docs" / "running.md"
+STAGING = support.ROOT / "docs" / "staging.md"
 
 
-def readme_sql(after: str) -> str:
-    """The first ```sql block of the README after the line ``after``."""
-    start = README.index(after)
-    match = re.search(r"```sql\n(.*?)```", README[start:], re.DOTALL)
-    assert match, f"no sql block after {after!r} in docs/running.md or docs/staging.md"
-    return match.group(1)
+def docs_sql(path: Path, after: str) -> str:
+    """The first sql block of ``path`` after the text ``after``, as Sybil reads it
+    (tests/docs/blocks.py, which runs the other blocks of the docs)."""
+    return blocks.block_after(path, after, "sql")
 
 
 class Setup:
@@ -58,19 +57,19 @@ class Setup:
         self.db = f"drain_readme_{suffix}"
         self.owner = f"readme_owner_{suffix}"
         self.queue = f"readme_{suffix}"  # the app's task_default_queue
-        self.mail = f"readme_mail_{suffix}"  # the README's 'mail' queue, for this test
+        self.mail = f"readme_mail_{suffix}"  # the staging page's 'mail' queue, for this test
         self.password = uuid.uuid4().hex
         self.app_dir = tmp_path
 
-    def role(self, readme_name: str) -> str:
-        return readme_name if readme_name not in README_ROLES else f"{readme_name}_{self.suffix}"
+    def role(self, doc_name: str) -> str:
+        return doc_name if doc_name not in DOC_ROLES else f"{doc_name}_{self.suffix}"
 
-    def url(self, readme_name: str) -> str:
-        user = self.owner if readme_name == "owner" else self.role(readme_name)
+    def url(self, doc_name: str) -> str:
+        user = self.owner if doc_name == "owner" else self.role(doc_name)
         return f"postgresql://{user}:{self.password}@127.0.0.1:5432/{self.db}"
 
-    def env(self, readme_name: str, **extra: str) -> dict[str, str]:
-        env = support.drain_env(self.url(readme_name), roles.ADMIN, **extra)
+    def env(self, doc_name: str, **extra: str) -> dict[str, str]:
+        env = support.drain_env(self.url(doc_name), roles.ADMIN, **extra)
         env["PYTHONPATH"] = f"{self.app_dir}:{env.get('PYTHONPATH', '')}"
         return env
 
@@ -93,7 +92,7 @@ def setup(tmp_path: Path) -> Iterator[Setup]:
     finally:
         with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{s.db}" WITH (FORCE)')
-            for name in (*README_ROLES, "owner"):
+            for name in (*DOC_ROLES, "owner"):
                 role = s.owner if name == "owner" else s.role(name)
                 admin.execute(f'DROP ROLE IF EXISTS "{role}"')
         for queue in (s.queue, s.mail):
@@ -105,15 +104,15 @@ def _ok(ran: Any) -> str:
     return str(ran.stdout)
 
 
-def test_the_readme_roles_recipe(
+def test_the_docs_roles_recipe(
     setup: Setup, spawn: Callable[..., support.Process]
 ) -> None:
     s = setup
     cli = support.run_cli
-    # `drain migrate` as the owner, then the README's roles block as the owner.
+    # `drain migrate` as the owner, then the roles block of docs/running.md as the owner.
     _ok(cli(s.url("owner"), "migrate", env=s.env("owner")))
-    roles_sql = readme_sql("## Database roles")
-    for name in README_ROLES:
+    roles_sql = docs_sql(RUNNING, "## Database roles")
+    for name in DOC_ROLES:
         roles_sql = re.sub(rf"\b{name}\b", s.role(name), roles_sql)
     with psycopg.connect(s.url("owner"), autocommit=True) as owner:
         assert not owner.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user"
@@ -124,8 +123,8 @@ def test_the_readme_roles_recipe(
         owner.execute(f'GRANT SELECT ON annotation TO "{s.role("my_app")}"')
 
     # my_app stages by every documented path.
-    plain = readme_sql("From plain SQL:").replace("'mail'", f"'{s.mail}'")
-    bulk = readme_sql("## Bulk staging in SQL")
+    plain = docs_sql(STAGING, "From plain SQL:").replace("'mail'", f"'{s.mail}'")
+    bulk = docs_sql(STAGING, "## Bulk staging in SQL")
     with psycopg.connect(s.url("my_app")) as app:
         for statement in filter(str.strip, re.sub(r"--.*", "", plain).split(";")):
             cur = app.execute(statement)
@@ -153,7 +152,7 @@ def test_the_readme_roles_recipe(
     support.wait_for(lambda: _count(s, "staged_jobs") == 0, 60, "the backlog delivered")
     # ... and `drain stage ops.by_hand`
     assert len(support.drain_queue(s.queue)) == to_default_queue + 1
-    assert len(support.drain_queue(s.mail)) == 1  # the README's INSERT with queue 'mail'
+    assert len(support.drain_queue(s.mail)) == 1  # the staging page's INSERT with queue 'mail'
     support.wait_for(lambda: 'drain_dead_jobs_rows{reason="unknown_task"} 1.0' in support.http_get(
         ports[1], "/metrics")[1], 30, "the dead job in /metrics")
     shown = _ok(cli(s.url("my_drain"), "status", env=s.env("my_drain")))
