@@ -217,6 +217,7 @@ class SqlRoleParser:
         if role not in SQL_ROLES:
             raise BlockFailed(f"sql-as: {role!r} is none of {', '.join(SQL_ROLES)}")
         if self.reader:
+            _no_role_left(self.reader)
             self.reader.sql_role = role
 
 
@@ -305,6 +306,11 @@ def block_after(path: Path, marker: str, language: str) -> str:
     raise LookupError(f"no {language} block after {marker!r} in {path}")
 
 
+def _no_role_left(reader: Reader) -> None:
+    if reader.sql_role is not None:
+        raise BlockFailed(f"sql-as: {reader.sql_role} is followed by no sql block that runs")
+
+
 def _shown(path: Path) -> str:
     return str(path.relative_to(support.ROOT) if path.is_relative_to(support.ROOT) else path)
 
@@ -327,6 +333,7 @@ def run_document(path: Path, reader: Reader) -> list[str]:
                 skipped.append(f"{where}: {skip}")
             except Exception as exc:
                 raise BlockFailed(f"{where}: {type(exc).__name__}: {exc}") from exc
+        _no_role_left(reader)
     finally:
         close(reader)
     return skipped

@@ -50,6 +50,8 @@ def _page(tmp_path: Path, text: str) -> Path:
     ("```sql\nSELECT 1;\n```\n", "a sql block without the role that runs it"),
     ("<!-- sql-as: drain_stager -->\n```sql\nDELETE FROM staged_jobs;\n```\n",
      "InsufficientPrivilege"),
+    ("<!-- sql-as: drain_stager -->\n", "sql-as: drain_stager is followed by no sql block"),
+    ("<!-- sql-as: my_app -->\n```sql\nSELECT 1;\n```\n", "sql-as: 'my_app' is none of"),
     ("```sh\ndrain dead list --no-such-flag\n```\n", "exit 2"),
     ("```python\nassert user_id == 7\n```\n", "AssertionError"),
 ])
