@@ -1,13 +1,16 @@
 """The code blocks of README.md and docs/*.md, run as tests (tests/docs/test_blocks.py).
 
-The markdown is read by Sybil (https://sybil.readthedocs.io), which we chose over
-pytest-markdown-docs, pytest-examples, mktestdocs and pytest-codeblocks because it
-is the one that lets each language have its own evaluator over a namespace shared
-by one document's blocks, in order: the docs' shell blocks run ``drain`` against a
-database of the test's own, their SQL runs as a role the page names, and their
-Python sees the connection a reader's application would have. The others run
-Python (and at most shell) blocks each on its own. Sybil also brings the markers:
-its ``skip`` directive, an HTML comment that renders as nothing.
+The markdown is read by Sybil (https://sybil.readthedocs.io; 10.1 released in
+2026). Why Sybil: it is a parser and evaluator toolkit, not a fixed runner. Each
+language gets an evaluator of ours over a namespace that one document's blocks
+share, in order (the docs' shell blocks run ``drain`` against the test's own
+database, their SQL runs as the role the page names, their Python sees the
+connection a reader's application has); a directive of our own (``sql-as``) is a
+few lines on its lexer for HTML comments; and it has a ``skip`` directive that
+carries a reason. pytest-markdown-docs and pytest-examples run Python blocks
+only; pytest-codeblocks and mktestdocs add shell, each with its own markers or
+executors, but neither has a parser API for a directive of ours nor Sybil's
+document namespace that per-test setup can fill.
 
 The rules a page's author follows:
 
