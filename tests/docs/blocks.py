@@ -94,35 +94,17 @@ def index_annotation(annotation_id):
     return annotation_id
 
 
-@app.task(name="billing.charge")
-def charge(order_id):
+def order_step(order_id):
     return order_id
-
-
-@app.task(name="billing.reserve")
-def reserve(order_id):
-    return order_id
-
-
-@app.task(name="billing.ship")
-def ship(order_id):
-    return order_id
-
-
-@app.task(name="billing.receipt")
-def receipt(*args):
-    return args
-
-
-@app.task(name="billing.alert")
-def alert(*args):
-    return args
 
 
 def anything(*args, **kwargs):
     return None
 
 
+charge, reserve, ship = (app.task(name=f"billing.{{name}}")(order_step)
+                         for name in ("charge", "reserve", "ship"))
+receipt, alert = (app.task(name=f"billing.{{name}}")(anything) for name in ("receipt", "alert"))
 for name in ("mail.send", "mail.send_digest", "billing.close_month"):
     app.task(name=name)(anything)
 '''
