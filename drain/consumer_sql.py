@@ -5,14 +5,17 @@ dispatches on its kind (psycopg 3, SQLAlchemy, Django, any other DB-API, as
 :mod:`drain.staging` does) to run a statement, and refuses a connection on
 which that statement would commit on its own: a claim committed by itself,
 before the work it stands for, is what makes a job lost when that work then
-fails (the redelivery finds the claim and skips the work).
+fails (the redelivery finds the claim and skips the work). drain.testing
+reads and deletes staged rows on a test's connection through :func:`rows` and
+:func:`execute`.
 """
 
 from __future__ import annotations
 
 import inspect
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from drain.errors import DrainError
 
@@ -20,6 +23,7 @@ _PYFORMAT = re.compile(r"%\((\w+)\)s")
 # psycopg2's connection.get_transaction_status() when no transaction is open
 # (psycopg2.extensions.TRANSACTION_STATUS_IDLE).
 _PSYCOPG2_IDLE = 0
+T = TypeVar("T")
 
 
 class ConsumerError(DrainError):
@@ -114,27 +118,37 @@ def execute(
     conn: Any, statement: str, params: dict[str, Any], *, fetch: bool = False
 ) -> tuple[Any, int]:
     """Run ``statement`` (pyformat placeholders) on ``conn``: (first row if fetch, rowcount)."""
+    return run(conn, statement, params,
+               lambda result: ((result.fetchone() if fetch else None), int(result.rowcount)))
+
+
+def rows(conn: Any, statement: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """Run the query ``statement`` (pyformat placeholders) on ``conn``: every row."""
+    return run(conn, statement, params, lambda result: [tuple(row) for row in result.fetchall()])
+
+
+def run(conn: Any, statement: str, params: dict[str, Any], read: Callable[[Any], T]) -> T:
+    """Run ``statement`` (pyformat placeholders) on ``conn`` and ``read`` its result
+    (a cursor, or SQLAlchemy's Result: ``fetchone``, ``fetchall``, ``rowcount``)."""
     if is_sqlalchemy(conn):
         from sqlalchemy import text  # noqa: PLC0415 - SQLAlchemy is optional
 
-        result = conn.execute(text(_PYFORMAT.sub(r":\1", statement)), params)
-        row = result.first() if fetch else None
-        return row, int(result.rowcount)
+        return read(conn.execute(text(_PYFORMAT.sub(r":\1", statement)), params))
     if is_psycopg(conn) and hasattr(conn, "execute"):
         cursor = conn.execute(statement, params)
         if cursor is None:  # a psycopg Cursor returns itself; be lenient all the same
             cursor = conn
-        return (cursor.fetchone() if fetch else None), int(cursor.rowcount)
+        return read(cursor)
     if callable(getattr(conn, "cursor", None)):
         cursor = conn.cursor()
         try:
             cursor.execute(statement, params)
-            return (cursor.fetchone() if fetch else None), int(cursor.rowcount)
+            return read(cursor)
         finally:
             cursor.close()
     if callable(getattr(conn, "execute", None)) and hasattr(conn, "fetchone"):
         conn.execute(statement, params)
-        return (conn.fetchone() if fetch else None), int(conn.rowcount)
+        return read(conn)
     raise ConsumerError(
         f"cannot run SQL on a {type(conn).__module__}.{type(conn).__name__}: pass a psycopg "
         "connection or cursor, a SQLAlchemy Connection or Session, or a DB-API connection"
