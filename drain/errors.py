@@ -96,3 +96,9 @@ class PoolWithoutSession(ConfigError):
 class BatchConflict(DrainError):
     """A batch transaction failed on a concurrent change (a serialization failure
     or a deadlock): it was rolled back, the session and the lock are kept."""
+
+
+class FixtureError(DrainError):
+    """drain's pytest fixtures (drain.testing) cannot do what a test asked: no test
+    database given, jobs not committed where a drain must see them, a broker that
+    does not answer, a task the Celery app does not know."""

@@ -452,3 +452,35 @@ WHERE EXISTS (
       AND classid = %(lock_classid)s::bigint::oid AND objid = %(lock_objid)s::bigint::oid
       AND objsubid = %(lock_objsubid)s::int
 );
+
+-- name: testing_staged
+-- drain.testing: every staged row as a test sees it on its own connection, in
+-- staging order; due and expired as a drain would judge them now. JSON and
+-- ids as text, times as exact epoch seconds (text too, 'Infinity' included),
+-- so that every driver, Django's whatever its time zone settings, hands them
+-- back alike. CAST, not ::, so that SQLAlchemy's text() sees no bind
+-- parameter in it.
+SELECT id, CAST(task_id AS text), task_name, CAST(args AS text), CAST(kwargs AS text),
+       CASE WHEN queue = 'celery' AND queue_legacy THEN NULL ELSE queue END,
+       priority, tag, CAST(extract(epoch FROM not_before) AS text),
+       CAST(extract(epoch FROM expires_at) AS text), CAST(extract(epoch FROM staged_at) AS text),
+       CAST(embed AS text),
+       CAST(CAST(xact AS text) AS bigint),
+       coalesce(not_before <= statement_timestamp(), true),
+       coalesce(expires_at <= statement_timestamp(), false)
+FROM staged_jobs
+ORDER BY id;
+
+-- name: testing_delete
+-- drain.testing: a row the test ran eagerly, or cleared.
+DELETE FROM staged_jobs WHERE id = ANY(CAST(%(ids)s AS bigint[]));
+
+-- name: testing_dead_mark
+-- drain.testing: the last dead_jobs row before a publish.
+SELECT coalesce(max(dead_id), 0) FROM dead_jobs;
+
+-- name: testing_dead_since
+-- drain.testing: the rows a publish moved to dead_jobs.
+SELECT task_name, CAST(task_id AS text), reason, detail FROM dead_jobs
+WHERE dead_id > %(mark)s
+ORDER BY dead_id;

@@ -30,6 +30,7 @@ def test_query_names() -> None:
         "bury", "expiring", "keyed_lock_timeout", "alive", "take_sentinel", "release_sentinel",
         "wake_flag", "raise_flag", "lower_flag", "silent_writers", "announce", "armed_elsewhere",
         "in_recovery", "take_token", "end_abandoned", "queue_legacy_present",
+        "testing_staged", "testing_delete", "testing_dead_mark", "testing_dead_since",
     }
 
 
