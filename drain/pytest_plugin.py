@@ -12,9 +12,10 @@ installed: it imports nothing but pytest until a test uses one of its fixtures.
 * ``drain_database_url``: the test database, for the default connection and
   for the drain ``drain_jobs.publish()`` runs. Default: the
   ``drain_database_url`` ini option; without one, ``publish()`` reads it off
-  ``drain_connection``.
+  ``drain_connection``. Session-scoped, so that a session fixture can set the
+  database up with it (an override may have any scope).
 * ``drain_broker_url``: the broker ``publish()`` publishes to. Default: the
-  ``drain_broker_url`` ini option.
+  ``drain_broker_url`` ini option (session-scoped too).
 * ``staged_jobs``: what was staged (drain.testing.StagedJobs).
 * ``drain_jobs``: publish the staged jobs, or run them eagerly (drain.testing.DrainJobs).
 """
@@ -46,13 +47,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   "drain_broker_url fixture is not overridden", default="")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def drain_database_url(pytestconfig: pytest.Config) -> str | None:
     """The test database's URL (libpq), or None: read off drain_connection."""
     return str(pytestconfig.getini("drain_database_url")) or None
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def drain_broker_url(pytestconfig: pytest.Config) -> str | None:
     """The broker drain_jobs.publish() publishes to, or None: its own default."""
     return str(pytestconfig.getini("drain_broker_url")) or None
