@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -352,6 +353,31 @@ def test_in_a_django_test_transaction(pytester: pytest.Pytester, django_db: str)
             staged_jobs.assert_nothing_staged()
     """)
     _run(pytester).assert_outcomes(passed=1)
+
+
+def test_the_example_of_docs_testing_md(
+        pytester: pytest.Pytester, db_url: str, queue: str) -> None:
+    """docs/testing.md's complete example, as it is written there (the "mail" queue
+    aside: this test's own), passes against a real Postgres and RabbitMQ, and its
+    published job is in the queue."""
+    files = _example_files((support.ROOT / "docs" / "testing.md").read_text("utf-8"))
+    assert set(files) == {"tasks.py", "signup.py", "pytest.ini", "conftest.py",
+                          "test_signup.py"}
+    files["tasks.py"] = files["tasks.py"].replace('"mail"', repr(queue))
+    for name, text in files.items():
+        (pytester.path / name).write_text(text)
+    result = _run(pytester, "-o", f"drain_database_url={db_url}",
+                  "-o", f"drain_broker_url={support.BROKER_URL}")
+    result.assert_outcomes(passed=4)
+    assert [p.headers["task"] for _, p, _ in support.drain_queue(queue)] == [
+        "mail.send_welcome"]
+
+
+def _example_files(doc: str) -> dict[str, str]:
+    """The fenced blocks of a doc whose first line names a file (``# tasks.py``)."""
+    blocks = re.findall(r"^```(?:python|ini)\n# (\S+\.(?:py|ini))\n(.*?)^```", doc,
+                        re.MULTILINE | re.DOTALL)
+    return {name: body for name, body in blocks}
 
 
 def test_installing_the_wheel_registers_the_plugin(tmp_path: Path) -> None:
