@@ -82,22 +82,32 @@ def publish(connection: Any, database_url: str, **settings: Any) -> Published:
     held = [job for job in remaining if job.due and not job.expired]
     if held:
         raise FixtureError(f"{len(held)} due job(s) stay staged after the drain ran (see the "
-                           "drain's warnings in the captured log):\n"
-                           + "\n".join(f"  {job.describe()}" for job in held[:jobs.SHOWN]))
+                           "drain's warnings in the captured log):\n" + _lines(held))
     return Published(published, dead, remaining)
 
 
 def _refuse_uncommitted(seen: list[jobs.StagedJob], committed: list[jobs.StagedJob]) -> None:
-    ids = {job.id for job in committed}
-    uncommitted = [job for job in seen if job.id not in ids]
+    """Refuse what the test's open transaction staged (a drain would never see it)
+    or deleted (a drain would publish it, then wait on its row lock)."""
+    committed_ids, seen_ids = {job.id for job in committed}, {job.id for job in seen}
+    uncommitted = [job for job in seen if job.id not in committed_ids]
     if uncommitted:
         raise FixtureError(
             f"{len(uncommitted)} staged job(s) are not committed, and a drain publishes only "
             "what is: commit first (a Django TestCase, or pytest-django's db fixture, keeps "
             "each test in one transaction: use TransactionTestCase or "
             "@pytest.mark.django_db(transaction=True)), or run them with "
-            "drain_jobs.run_eagerly(app):\n"
-            + "\n".join(f"  {job.describe()}" for job in uncommitted[:jobs.SHOWN]))
+            "drain_jobs.run_eagerly(app):\n" + _lines(uncommitted))
+    deleted = [job for job in committed if job.id not in seen_ids]
+    if deleted:
+        raise FixtureError(
+            f"{len(deleted)} committed job(s) are deleted in the test connection's open "
+            "transaction (staged_jobs.clear()?), which holds their rows: commit or roll "
+            "it back first:\n" + _lines(deleted))
+
+
+def _lines(staged: list[jobs.StagedJob]) -> str:
+    return "\n".join(f"  {job.describe()}" for job in staged[:jobs.SHOWN])
 
 
 def _run(drain: Drain) -> int:

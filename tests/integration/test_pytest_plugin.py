@@ -217,6 +217,15 @@ def test_publish_refuses_uncommitted_jobs_and_stops_at_an_outage(
             drain_connection.commit()
             assert drain_jobs.publish().published == 1
             drain_connection.commit()
+            drain.stage(drain_connection, "app.record", [3], queue={queue!r})
+            drain_connection.commit()
+            assert staged_jobs.clear() == 1
+            with pytest.raises(FixtureError, match="1 committed job.s. are deleted in the test"):
+                drain_jobs.publish()
+            drain_connection.rollback()
+            staged_jobs.assert_staged("app.record", args=[3])
+            staged_jobs.clear()
+            drain_connection.commit()
 
         def test_broker_down(drain_connection, staged_jobs, drain_jobs):
             drain.stage(drain_connection, "app.record", [2], queue={queue!r})
@@ -230,6 +239,39 @@ def test_publish_refuses_uncommitted_jobs_and_stops_at_an_outage(
     result = _run(pytester)
     result.assert_outcomes(passed=2)
     assert [json.loads(body)[0] for _, _, body in support.drain_queue(queue)] == [[1]]
+
+
+def test_on_a_sqlalchemy_session(pytester: pytest.Pytester, db_url: str) -> None:
+    """A SQLAlchemy Session as drain_connection: read and cleared in its transaction,
+    and the URL publish() connects with read off its engine."""
+    pytester.makeconftest(f"""
+        import pytest
+        import sqlalchemy
+        from sqlalchemy.orm import Session
+
+        @pytest.fixture
+        def drain_connection():
+            url = {db_url!r}.replace("postgresql://", "postgresql+psycopg://")
+            engine = sqlalchemy.create_engine(url)
+            with Session(engine) as session:
+                yield session
+                session.rollback()
+            engine.dispose()
+    """)
+    pytester.makepyfile(test_user="""
+        import drain
+        import pytest
+        from drain.testing import FixtureError
+
+        def test_session(drain_connection, staged_jobs, drain_jobs):
+            drain.stage(drain_connection, "app.record", [1], {"k": [1, 2]}, priority=-3)
+            staged_jobs.assert_staged("app.record", args=[1], kwargs={"k": (1, 2)}, priority=-3)
+            with pytest.raises(FixtureError, match="1 staged job.s. are not committed"):
+                drain_jobs.publish()
+            assert staged_jobs.clear() == 1
+            staged_jobs.assert_nothing_staged()
+    """)
+    _run(pytester).assert_outcomes(passed=1)
 
 
 _CELERY_APP = """
