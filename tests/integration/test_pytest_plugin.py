@@ -4,21 +4,17 @@ Each test writes a user's tests into pytester's directory and runs pytest on
 them, in this process, against this test's own database and queue: the
 staged_jobs assertions (what they say when they fail), drain_jobs.publish()
 through the real drain to RabbitMQ, drain_jobs.run_eagerly() with a small
-Celery app, inside a Django test transaction too. The last test builds the
-wheel and checks that installing it is all a project needs for the fixtures.
+Celery app, inside a Django test transaction too, and docs/testing.md's example.
+tests/package/test_wheel.py checks that installing the wheel is all a project
+needs for the fixtures (the pytest11 entry point).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -420,34 +416,3 @@ def _example_files(doc: str) -> dict[str, str]:
     blocks = re.findall(r"^```(?:python|ini)\n# (\S+\.(?:py|ini))\n(.*?)^```", doc,
                         re.MULTILINE | re.DOTALL)
     return {name: body for name, body in blocks}
-
-
-def test_installing_the_wheel_registers_the_plugin(tmp_path: Path) -> None:
-    """The wheel's pytest11 entry point: with drain installed from it, a project's
-    tests get the fixtures without naming the plugin anywhere."""
-    built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path / "dist"), str(support.ROOT)],
-        capture_output=True, text=True, check=False)
-    assert built.returncode == 0, built.stderr
-    [wheel] = (tmp_path / "dist").glob("drain-*.whl")
-    site = tmp_path / "site"
-    installed = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
-         str(wheel)], capture_output=True, text=True, check=False)
-    assert installed.returncode == 0, installed.stderr
-    project = tmp_path / "project"
-    project.mkdir()
-    (project / "test_x.py").write_text(
-        "def test_x(staged_jobs):\n    pass\n\n"
-        "def test_light():\n"
-        "    import sys\n"
-        "    assert 'drain.pytest_plugin' in sys.modules\n"
-        "    heavy = {'celery', 'kombu', 'pika', 'psycopg', 'drain.testing'} & set(sys.modules)\n"
-        "    assert not heavy, heavy\n")
-    env: dict[str, Any] = {**os.environ, "PYTHONPATH": str(site)}
-    ran = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
-                          ],
-                         cwd=project, env=env, capture_output=True, text=True, check=False)
-    assert "drain's fixtures need the connection your code stages on" in ran.stdout, ran.stdout
-    assert "1 passed, 1 error" in ran.stdout, ran.stdout

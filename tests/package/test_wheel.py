@@ -108,6 +108,7 @@ def test_wheel_holds_the_package_data_and_the_command(installed: Installed) -> N
         entry_points = wheel.read(f"drain_outbox-{version}.dist-info/entry_points.txt")
     assert schema == (support.ROOT / "staging_schema.sql").read_bytes()
     assert "drain = drain.cli:main" in entry_points.decode()
+    assert "[pytest11]\ndrain = drain.pytest_plugin" in entry_points.decode()
     assert "drain/spark/backfill.py" in names
     assert not {n for n in names if n.startswith(("tests/", "celery_app/", "bench/"))}
 
@@ -154,6 +155,38 @@ def test_installed_drain_migrates_stages_and_drains(
     assert done.returncode == 0, done.stderr
     assert sorted(support.task_ids(support.drain_queue(queue))) == sorted(task_ids)
     assert support.staged_count(installed_db) == 0
+
+
+def test_installed_drain_gives_pytest_its_fixtures(
+    installed: Installed, installed_db: str, tmp_path: Path
+) -> None:
+    """Installing drain-outbox is all a project needs for drain's pytest fixtures (the
+    pytest11 entry point; docs/testing.md), and a session whose tests use none of them
+    imports nothing heavy for them."""
+    env = installed.env(installed_db, roles.ADMIN)
+    _checked([sys.executable, "-m", "pip", "--python", installed.python, "install",
+              "--quiet", f"pytest=={pytest.__version__}"], env=env)
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "test_user.py").write_text(
+        "import sys\n"
+        "import drain\n\n"
+        "def test_nothing_heavy_before_a_fixture_is_used():\n"
+        "    plugin = sys.modules['drain.pytest_plugin']\n"
+        "    assert plugin.__file__.startswith(sys.prefix), plugin.__file__\n"
+        "    heavy = {'celery', 'kombu', 'pika', 'psycopg', 'drain.testing'} & set(sys.modules)\n"
+        "    assert not heavy, heavy\n\n"
+        "def test_staged(drain_connection, staged_jobs):\n"
+        "    drain.stage(drain_connection, 'app.welcome', [7])\n"
+        "    staged_jobs.assert_staged('app.welcome', args=[7])\n"
+        "    assert staged_jobs.clear() == 1\n")
+    done = subprocess.run(
+        [installed.python, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+         "-o", f"drain_database_url={env['DRAIN_DATABASE_URL']}"],
+        env=env, cwd=project, capture_output=True, text=True, timeout=300, check=False,
+        stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2 passed" in done.stdout
 
 
 def test_installed_drain_serves_its_status_page(
