@@ -61,9 +61,9 @@ def test_assertions_pass_and_fail_saying_what_was_staged(
     pytester.makepyfile(test_user="""
         import datetime as dt
         import decimal
-        import uuid
 
         import drain
+        import pytest
 
         WHEN = dt.datetime(2036, 1, 2, 3, 4, 5, 678901, tzinfo=dt.timezone.utc)
 
@@ -77,6 +77,8 @@ def test_assertions_pass_and_fail_saying_what_was_staged(
             assert job.task_id == task_id and not job.due
             staged_jobs.assert_staged("app.send_welcome")
             assert len(staged_jobs) == 1
+            with pytest.raises(TypeError, match="unknown option.s. countdown: compare queue"):
+                staged_jobs.find("app.send_welcome", countdown=60)
 
         def test_wrong_args(drain_connection, staged_jobs):
             drain.stage(drain_connection, "app.send_welcome", [7], {"lang": "en"}, queue="mail")
@@ -306,7 +308,7 @@ def test_run_eagerly_with_the_users_celery_app(pytester: pytest.Pytester, db_url
         import drain
         import pytest
         from drain.testing import FixtureError
-        from user_app import add, app, ran, record, staging
+        from user_app import add, app, boom, ran, record, staging
 
         @pytest.fixture(autouse=True)
         def _fresh(drain_connection):
@@ -339,7 +341,7 @@ def test_run_eagerly_with_the_users_celery_app(pytester: pytest.Pytester, db_url
             task_id = drain.stage(drain_connection, "app.boom")
             with pytest.raises(ValueError, match="boom"):
                 drain_jobs.run_eagerly(app)
-            staged_jobs.assert_staged("app.boom")
+            staged_jobs.assert_staged(boom, task_id=task_id)
             [done] = drain_jobs.run_eagerly(app, propagate=False)
             assert done.result.failed() and done.result.id == str(task_id)
             staged_jobs.assert_nothing_staged()
