@@ -1,24 +1,28 @@
 """drain in one minute: ``make demo`` (``python -m celery_app.demo``).
 
-On the local Postgres and RabbitMQ, the demo
+On the local Postgres and RabbitMQ, the demo says first what it creates and
+leaves behind (:func:`celery_app.demo_setup.first_screen`), then
 
 1. recreates a database ``drain_demo`` and runs ``drain migrate`` on it;
 2. starts an ordinary Celery worker (this package's app, which knows nothing
    about drain) on the queue ``drain_demo``, and ``drain run --app
-   celery_app``: the drain routes each job as that app's ``apply_async``
-   would, here by its ``task_routes`` (``search.*`` to ``drain_demo``);
+   celery_app``, serving its status page on a free port: the drain routes
+   each job as that app's ``apply_async`` would, here by its ``task_routes``
+   (``search.*`` to ``drain_demo``);
 3. stages jobs the way an application does, in the same transaction as the
    data they are about: with :func:`drain.stage` and with a plain SQL INSERT
    (neither names a queue: the app's routes decide), in a transaction that
    rolls back, and one job with an explicit queue;
 4. waits until the worker ran every committed job, checks that no rolled-back
    job ran, and prints what happened;
-5. stops both processes and deletes the queue. The database stays, to look at.
+5. stops both processes and deletes the queue and its exchange. The database
+   stays, to look at.
 
-It exits 0 when every check passed and 1 otherwise. Settings, from the
-environment: ``DRAIN_DEMO_ADMIN_URL``, a Postgres URL allowed to create
-databases (default ``postgresql://postgres@127.0.0.1:5432/postgres``), and
-``DRAIN_BROKER_URL`` (default ``amqp://guest:guest@127.0.0.1:5672//``).
+It exits 0 when every check passed, 1 when one failed, 2 when a setting is
+malformed or names a database or queue that is not the demo's to delete. The
+names, the port and the servers come from ``DRAIN_DEMO_*`` variables only
+(:mod:`celery_app.demo_setup`); ``make demo`` runs it in a venv of its own with
+drain's runtime dependencies only (``.venv-demo``).
 """
 
 from __future__ import annotations
@@ -36,33 +40,32 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import pika
 import psycopg
-from psycopg import conninfo, sql
 
 import drain
-from drain import config, urls
-
-ADMIN_URL = os.environ.get(
-    "DRAIN_DEMO_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+from celery_app.demo_setup import (
+    ROOT,
+    DemoFailed,
+    DemoRefused,
+    Settings,
+    broker,
+    delete_queue,
+    first_screen,
+    recreate_database,
+    refuse_unless_ours,
+    reset_queue,
 )
-BROKER_URL = os.environ.get("DRAIN_BROKER_URL", config.DEFAULT_BROKER_URL)
-DATABASE = "drain_demo"
-QUEUE = "drain_demo"
+from drain import config
+
 #: Seconds for the worker and the drain to start, then for the jobs to run.
 START_TIMEOUT = 30.0
 RUN_TIMEOUT = 45.0
-ROOT = Path(__file__).resolve().parent.parent
 
 ANNOTATIONS = {
     1: "Staged jobs become visible when the transaction commits.",
     2: "A rolled-back transaction takes its jobs with it.",
     3: "Rows are deleted only after the broker confirmed them.",
 }
-
-
-class DemoFailed(Exception):
-    """A check failed, or something the demo needs is missing."""
 
 
 @dataclasses.dataclass
@@ -80,78 +83,6 @@ class ExecutedJob:
     task_name: str
     arguments: str
     executed_at: dt.datetime
-
-
-# -- setting the stage ---------------------------------------------------------------
-
-
-def demo_database_url() -> str:
-    return conninfo.make_conninfo(ADMIN_URL, dbname=DATABASE)
-
-
-def recreate_database(url: str) -> None:
-    """Drop and create ``drain_demo``, apply drain's schema, add the app's own table."""
-    try:
-        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-            name = sql.Identifier(DATABASE)
-            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name))
-            admin.execute(sql.SQL("CREATE DATABASE {}").format(name))
-    except psycopg.OperationalError as exc:
-        raise DemoFailed(
-            f"cannot use Postgres at {urls.mask_database_url(ADMIN_URL)}: "
-            f"{str(exc).strip().splitlines()[0]} (is it running? try `make services`)"
-        ) from None
-    migrate = subprocess.run(
-        [sys.executable, "-m", "drain", "migrate"],
-        env=child_env(url), cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
-    )
-    if migrate.returncode != 0:
-        raise DemoFailed(f"drain migrate exited with {migrate.returncode}: {migrate.stderr}")
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("CREATE TABLE annotation (id bigint PRIMARY KEY, text text NOT NULL)")
-
-
-def child_env(url: str) -> dict[str, str]:
-    """This environment without DRAIN_* settings, plus the demo's database and broker."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DRAIN_", "CELERY_APP_"))}
-    env.update(
-        DRAIN_DATABASE_URL=url,
-        DRAIN_BROKER_URL=BROKER_URL,
-        CELERY_APP_DATABASE_URL=url,
-        # The app routes search.* here (celery_app/app.py's task_routes).
-        CELERY_APP_SEARCH_QUEUE=QUEUE,
-        PYTHONUNBUFFERED="1",
-    )
-    return env
-
-
-def broker() -> Any:
-    try:
-        return pika.BlockingConnection(urls.broker_parameters(BROKER_URL))
-    except pika.exceptions.AMQPError as exc:
-        raise DemoFailed(
-            f"cannot connect to RabbitMQ at {urls.mask_url(BROKER_URL)}: {exc!r} "
-            "(is it running? try `make services`)"
-        ) from None
-
-
-def reset_queue() -> None:
-    """Start from an empty queue, declared as Celery declares it (durable, no arguments)."""
-    connection = broker()
-    try:
-        channel = connection.channel()
-        channel.queue_delete(QUEUE)
-        channel.queue_declare(QUEUE, durable=True)
-    finally:
-        connection.close()
-
-
-def delete_queue() -> None:
-    connection = broker()
-    try:
-        connection.channel().queue_delete(QUEUE)
-    finally:
-        connection.close()
 
 
 class Child:
@@ -199,10 +130,10 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str,
         time.sleep(0.1)
 
 
-def worker_consuming() -> bool:
-    connection = broker()
+def worker_consuming(settings: Settings) -> bool:
+    connection = broker(settings)
     try:
-        declared = connection.channel().queue_declare(QUEUE, passive=True)
+        declared = connection.channel().queue_declare(settings.queue, passive=True)
         return int(declared.method.consumer_count) > 0
     finally:
         connection.close()
@@ -223,7 +154,7 @@ def drain_active(conn: psycopg.Connection[Any]) -> bool:
 # -- what an application does ------------------------------------------------------------
 
 
-def stage_jobs(conn: psycopg.Connection[Any]) -> list[StagedJob]:
+def stage_jobs(conn: psycopg.Connection[Any], queue: str) -> list[StagedJob]:
     """Stage jobs in the same transactions as the rows they are about."""
     jobs: list[StagedJob] = []
 
@@ -270,7 +201,7 @@ def stage_jobs(conn: psycopg.Connection[Any]) -> list[StagedJob]:
     #    they were staged, so once the sentinel ran, a rolled-back job would have too.
     #    Its queue is explicit (apply_async(queue=...)): the app has no route for it.
     with conn.transaction():
-        task_id = drain.stage(conn, "celery_app.record", ["sentinel"], queue=QUEUE)
+        task_id = drain.stage(conn, "celery_app.record", ["sentinel"], queue=queue)
     jobs.append(StagedJob(task_id, "celery_app.record", json.dumps(["sentinel"]),
                           "drain.stage", now()))
     return jobs
@@ -371,31 +302,33 @@ def report_search_index(conn: psycopg.Connection[Any]) -> None:
 # -- the demo ---------------------------------------------------------------------------
 
 
-def run_demo(url: str, logs: Path, children: list[Child]) -> str:
-    print("drain demo")
-    print(f"  database  {DATABASE} at {urls.mask_database_url(ADMIN_URL)}")
-    print(f"  broker    {urls.mask_url(BROKER_URL)}, queue {QUEUE}")
-    recreate_database(url)
-    reset_queue()
-    print(f"  recreated database {DATABASE}, applied `drain migrate`, emptied queue {QUEUE}")
+def run_demo(settings: Settings, logs: Path, children: list[Child]) -> str:
+    refuse_unless_ours(settings)
+    recreate_database(settings)
+    reset_queue(settings)
+    print(f"\n  recreated database {settings.database}, applied `drain migrate`, "
+          f"emptied queue {settings.queue}")
 
-    env = child_env(url)
+    env = settings.child_env()
     # No --without-heartbeat: the event heartbeat's 2 s timer is what wakes the
     # worker's idle loop; without it the worker notices SIGTERM only ~10 s later.
     children.append(Child("celery worker", [
-        sys.executable, "-m", "celery", "-A", "celery_app", "worker", "-Q", QUEUE,
+        sys.executable, "-m", "celery", "-A", "celery_app", "worker", "-Q", settings.queue,
         "-P", "threads", "-c", "1", "--without-gossip", "--without-mingle", "-l", "warning",
     ], env, logs))
     children.append(Child("drain run", [sys.executable, "-m", "drain", "run",
                                         "--app", "celery_app"], env, logs))
-    with psycopg.connect(url, autocommit=True) as conn:
-        wait_until(worker_consuming, START_TIMEOUT, "the worker to consume", children)
+    with psycopg.connect(settings.database_url, autocommit=True) as conn:
+        wait_until(lambda: worker_consuming(settings), START_TIMEOUT, "the worker to consume",
+                   children)
         wait_until(lambda: drain_active(conn), START_TIMEOUT, "the drain to take its lock",
                    children)
         for child in children:
             print(f"  started   {child.name} (pid {child.proc.pid})")
+        if settings.metrics_port:
+            print(f"  serving   the drain's status page on http://127.0.0.1:{settings.metrics_port}/")
 
-        jobs = stage_jobs(conn)
+        jobs = stage_jobs(conn, settings.queue)
         report_staged(jobs)
 
         expected = {j.task_id for j in jobs if j.committed_at}
@@ -425,26 +358,32 @@ def stop(children: list[Child]) -> None:
 
 
 def main() -> int:
-    url = demo_database_url()
+    try:
+        settings = Settings.from_env(os.environ)
+    except DemoRefused as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(first_screen(settings)), flush=True)
     children: list[Child] = []
     with tempfile.TemporaryDirectory(prefix="drain-demo-") as logs:
         try:
-            summary = run_demo(url, Path(logs), children)
+            summary = run_demo(settings, Path(logs), children)
         except (DemoFailed, KeyboardInterrupt) as exc:
             sys.stdout.flush()
             reason = str(exc) if isinstance(exc, DemoFailed) else "interrupted"
             print(f"\ndemo FAILED: {reason}", file=sys.stderr)
             for child in children:
                 print(f"  last lines of {child.name}:\n{child.log_tail()}", file=sys.stderr)
-            return 1
+            return 2 if isinstance(exc, DemoRefused) else 1
         finally:
             stop(children)
             if children:  # they start once the queue was declared: the broker answered
                 try:
-                    delete_queue()
-                    print(f"  deleted   queue {QUEUE}; database {DATABASE} is left to look at")
+                    delete_queue(settings)
+                    print(f"  deleted   queue {settings.queue} and its exchange; database "
+                          f"{settings.database} is left to look at")
                 except DemoFailed as exc:
-                    print(f"  could not delete queue {QUEUE}: {exc}", file=sys.stderr)
+                    print(f"  could not delete queue {settings.queue}: {exc}", file=sys.stderr)
     print(f"\nOK: {summary}")
     return 0
 
