@@ -1,91 +1,18 @@
-"""drain as a user gets it: ``python -m build``, the wheel in a clean venv, the commands.
-
-One build (the sdist, then the wheel built from that sdist, as ``python -m build``
-does: so the sdist holds what a build needs) and one venv per session: ``python -m
-venv`` without system site packages, ``pip install <wheel>`` (dependencies from the
-package index or pip's cache). Every command runs from an empty directory with no
-``PYTHONPATH``, so the repository is never what gets imported.
-"""
+"""drain as a user gets it: the wheel and sdist ``python -m build`` made, installed in a
+clean venv (tests/package/installed.py), and its commands run from an empty directory."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
-import subprocess
-import sys
 import tarfile
 import zipfile
-from collections.abc import Callable, Iterator
-from pathlib import Path
-
-import pytest
+from collections.abc import Callable
 
 from tests import roles, support
+from tests.package.installed import DISTRIBUTION, Installed
 
-DISTRIBUTION = "drain-outbox"
 #: What the runtime reads from the package directory besides its modules.
 DATA_FILES = ("staging_schema.sql", "status.html", "queries.sql", "py.typed")
-
-
-@dataclasses.dataclass(frozen=True)
-class Installed:
-    wheel: Path
-    sdist: Path
-    venv: Path
-    cwd: Path  # empty: nothing importable
-
-    @property
-    def drain(self) -> str:
-        return str(self.venv / "bin" / "drain")
-
-    @property
-    def python(self) -> str:
-        return str(self.venv / "bin" / "python")
-
-    def env(self, db_url: str, role: str, **extra: str) -> dict[str, str]:
-        env = support.drain_env(db_url, role, **extra)
-        for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
-            env.pop(name, None)
-        return env
-
-    def run(self, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(argv, env=env, cwd=self.cwd, capture_output=True, text=True,
-                              timeout=300, check=False, stdin=subprocess.DEVNULL)
-
-
-def _checked(argv: list[str], env: dict[str, str] | None = None) -> None:
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
-    assert done.returncode == 0, f"{argv} exited {done.returncode}:\n{done.stderr[-3000:]}"
-
-
-@pytest.fixture(scope="session")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
-    """drain-outbox built from this checkout and installed from its wheel into a clean venv."""
-    root = tmp_path_factory.mktemp("package")
-    dist = root / "dist"
-    _checked([sys.executable, "-m", "build", "--outdir", str(dist), str(support.ROOT)])
-    (wheel,) = dist.glob("*.whl")
-    (sdist,) = dist.glob("*.tar.gz")
-    venv = root / "venv"
-    # This interpreter's pip installs into the venv (--python): the same install as the
-    # venv's own pip would do, without the ~10 s of seeding pip into it.
-    _checked([sys.executable, "-m", "venv", "--without-pip", str(venv)])
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    _checked([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
-              "install", "--quiet", str(wheel)], env=env)
-    cwd = root / "cwd"
-    cwd.mkdir()
-    return Installed(wheel, sdist, venv, cwd)
-
-
-@pytest.fixture
-def installed_db(installed: Installed, empty_db_url: str) -> Iterator[str]:
-    """A database migrated by the installed ``drain migrate`` (as its owner)."""
-    done = installed.run([installed.drain, "migrate"], installed.env(empty_db_url, roles.ADMIN))
-    assert done.returncode == 0, done.stderr
-    roles.ensure(support.ADMIN_URL)  # the tests' login roles, as the template database has
-    yield empty_db_url
 
 
 def _version_of_pyproject() -> str:
