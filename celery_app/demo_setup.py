@@ -37,6 +37,9 @@ from psycopg import conninfo, sql
 
 from drain import config, urls
 
+#: Every variable the demo reads (the docs may name these and no other DRAIN_DEMO_*).
+SETTINGS = ("DRAIN_DEMO_ADMIN_URL", "DRAIN_DEMO_DATABASE", "DRAIN_DEMO_BROKER_URL",
+            "DRAIN_DEMO_QUEUE", "DRAIN_DEMO_METRICS_PORT")
 DEFAULT_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 DEFAULT_DATABASE = "drain_demo"
 DEFAULT_QUEUE = "drain_demo"

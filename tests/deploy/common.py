@@ -20,6 +20,7 @@ from unittest import mock
 
 import yaml
 
+from celery_app import demo_setup
 from drain import cli, options
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,8 +122,10 @@ NOT_SETTINGS = {"DRAIN_PORT", "DRAIN_SERVICE_HOST", "DRAIN_SERVICE_PORT",
 
 
 def drain_tokens(text: str) -> set[str]:
-    """Every DRAIN_* word in a text (comments included), less :data:`NOT_SETTINGS`."""
-    return set(re.findall(r"\bDRAIN_[A-Z0-9_]*[A-Z0-9]\b", text)) - NOT_SETTINGS
+    """Every DRAIN_* word in a text (comments included), less :data:`NOT_SETTINGS` and
+    the demo's own settings (celery_app/demo_setup.py)."""
+    words = set(re.findall(r"\bDRAIN_[A-Z0-9_]*[A-Z0-9]\b", text))
+    return words - NOT_SETTINGS - set(demo_setup.SETTINGS)
 
 
 def promtool() -> str | None:
