@@ -3,7 +3,8 @@
 One build (the sdist, then the wheel built from that sdist, as ``python -m build``
 does: so the sdist holds what a build needs) and one venv: ``python -m venv``
 without system site packages, ``pip install <wheel>`` (dependencies from the
-package index or pip's cache): drain's runtime dependencies and nothing else.
+package index or pip's cache): drain's runtime dependencies and nothing else (a test
+that needs more installs it, as test_wheel.py does pytest for drain's pytest plugin).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class Installed:
                               timeout=300, check=False, stdin=subprocess.DEVNULL)
 
 
-def _checked(argv: list[str], env: dict[str, str] | None = None) -> None:
+def checked(argv: list[str], env: dict[str, str] | None = None) -> None:
     done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
     assert done.returncode == 0, f"{argv} exited {done.returncode}:\n{done.stderr[-3000:]}"
 
@@ -53,15 +54,15 @@ def _checked(argv: list[str], env: dict[str, str] | None = None) -> None:
 def build_and_install(root: Path) -> Installed:
     """drain-outbox built from this checkout and installed from its wheel into a clean venv."""
     dist = root / "dist"
-    _checked([sys.executable, "-m", "build", "--outdir", str(dist), str(support.ROOT)])
+    checked([sys.executable, "-m", "build", "--outdir", str(dist), str(support.ROOT)])
     (wheel,) = dist.glob("*.whl")
     (sdist,) = dist.glob("*.tar.gz")
     venv = root / "venv"
     # This interpreter's pip installs into the venv (--python): the same install as the
     # venv's own pip would do, without the ~10 s of seeding pip into it.
-    _checked([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    checked([sys.executable, "-m", "venv", "--without-pip", str(venv)])
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    _checked([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
+    checked([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
               "install", "--quiet", str(wheel)], env=env)
     cwd = root / "cwd"
     cwd.mkdir()

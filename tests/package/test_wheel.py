@@ -4,12 +4,17 @@ clean venv (tests/package/installed.py), and its commands run from an empty dire
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import tarfile
 import zipfile
 from collections.abc import Callable
+from pathlib import Path
+
+import pytest
 
 from tests import roles, support
-from tests.package.installed import DISTRIBUTION, Installed
+from tests.package.installed import DISTRIBUTION, Installed, checked
 
 #: What the runtime reads from the package directory besides its modules.
 DATA_FILES = ("staging_schema.sql", "status.html", "queries.sql", "py.typed")
@@ -91,7 +96,7 @@ def test_installed_drain_gives_pytest_its_fixtures(
     pytest11 entry point; docs/testing.md), and a session whose tests use none of them
     imports nothing heavy for them."""
     env = installed.env(installed_db, roles.ADMIN)
-    _checked([sys.executable, "-m", "pip", "--python", installed.python, "install",
+    checked([sys.executable, "-m", "pip", "--python", installed.python, "install",
               "--quiet", f"pytest=={pytest.__version__}"], env=env)
     project = tmp_path / "project"
     project.mkdir()
