@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
         "3 database or broker unavailable, 4 schema missing (run `drain migrate`), "
         "5 permission denied (the database role lacks a grant).",
     )
-    parser.add_argument("--version", action="version", version=version.describe())
+    parser.add_argument("--version", action=version.VersionAction)
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="debug logging and tracebacks on errors"
     )

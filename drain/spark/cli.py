@@ -366,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="drain", description="drain's Spark commands: backfill and reconcile.",
         epilog=_EPILOG,
     )
-    parser.add_argument("--version", action="version", version=version.describe())
+    parser.add_argument("--version", action=version.VersionAction)
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="debug logging and tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -63,6 +63,26 @@ def test_installed_drain_says_its_version(installed: Installed) -> None:
     done = installed.run([installed.drain, "--version"], env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"drain {metadata.stdout.strip()} ({DISTRIBUTION})"
+    assert done.stderr == ""
+
+
+def test_installed_drain_warns_of_the_other_drain_beside_it(
+    installed: Installed, tmp_path: Path
+) -> None:
+    """pip install drain (the unrelated 0.0.6), then pip install drain-outbox: both write
+    drain/ and bin/drain. Its metadata on the path is what drain --version notices."""
+    info = tmp_path / "drain-0.0.6.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: drain\nVersion: 0.0.6\n")
+    env = installed.env("postgresql://unused@127.0.0.1/unused", roles.ADMIN)
+    env["PYTHONPATH"] = str(tmp_path)  # only the other drain's metadata: nothing to import
+    done = installed.run([installed.drain, "--version"], env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("drain ") and "(drain-outbox)" in done.stdout
+    assert done.stderr == (
+        "warning: the package drain 0.0.6 (not this drain) is installed here too and shares "
+        "the drain/ directory and the drain command: pip uninstall drain, then pip install "
+        "--force-reinstall drain-outbox\n")
 
 
 def test_installed_drain_migrates_stages_and_drains(
