@@ -85,11 +85,12 @@ BROKER_PLACEHOLDER = "amqp://user:pass@rabbit:5672//"
 APP_SOURCE = '''\
 from celery import Celery
 
-app = Celery("yourproject", broker={broker!r}, task_cls="drain.celery_task:StagingTask")
+app = Celery("yourproject", broker={broker!r}, task_cls="drain.celery_task:StagingTask",
+             set_as_current=False)
 app.conf.task_default_queue = {queue!r}
 
 
-@app.task(name="search.index_annotation")
+@app.task(name="search.index_annotation", shared=False)
 def index_annotation(annotation_id):
     return annotation_id
 
@@ -102,11 +103,12 @@ def anything(*args, **kwargs):
     return None
 
 
-charge, reserve, ship = (app.task(name=f"billing.{{name}}")(order_step)
+charge, reserve, ship = (app.task(name=f"billing.{{name}}", shared=False)(order_step)
                          for name in ("charge", "reserve", "ship"))
-receipt, alert = (app.task(name=f"billing.{{name}}")(anything) for name in ("receipt", "alert"))
+receipt, alert = (app.task(name=f"billing.{{name}}", shared=False)(anything)
+                  for name in ("receipt", "alert"))
 for name in ("mail.send", "mail.send_digest", "billing.close_month"):
-    app.task(name=name)(anything)
+    app.task(name=name, shared=False)(anything)
 '''
 
 #: Makes ``drain run`` in a shell block drain what is due, then exit.
@@ -164,7 +166,10 @@ def prepare(reader: Reader) -> None:
 
 def reader_namespace(reader: Reader) -> dict[str, Any]:
     """The names the docs' Python blocks take as given: a reader's application."""
-    namespace: dict[str, Any] = {}
+    # A module name of its own: functions defined by exec take __module__ from it (Celery
+    # names tasks by it), and the app's tasks are not shared, so nothing a page defines
+    # reaches the Celery apps of other tests in the same process.
+    namespace: dict[str, Any] = {"__name__": "docs_reader"}
     exec(APP_SOURCE.format(broker=support.BROKER_URL, queue=reader.queue), namespace)
     dsn = reader.url(roles.STAGER)
     conn = psycopg.connect(dsn)
