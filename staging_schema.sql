@@ -434,6 +434,10 @@ CREATE TABLE IF NOT EXISTS drain_backfills (
 -- after a failure, a speculative copy, an attempt that finds its partition
 -- committed) are still on record: `drain backfill` reports them. outcome stays
 -- NULL for an attempt that was stopped or lost before it could say how it ended.
+-- attempt is Spark's attemptNumber(), which starts again at 0 when a stage is
+-- attempted again (after an executor was lost with its shuffle output);
+-- task_attempt_id is Spark's taskAttemptId() ("TID"), unique per attempt in the
+-- Spark application, so two attempts at a partition never share it.
 -- The role running backfills needs SELECT, INSERT, UPDATE on it.
 CREATE TABLE IF NOT EXISTS drain_backfill_attempts (
     id           bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -444,8 +448,11 @@ CREATE TABLE IF NOT EXISTS drain_backfill_attempts (
     host         text,
     started_at   timestamptz NOT NULL DEFAULT now(),
     ended_at     timestamptz,
-    outcome      text
+    outcome      text,
+    task_attempt_id bigint
 );
+-- Added since the first version (NULL in the rows written before).
+ALTER TABLE drain_backfill_attempts ADD COLUMN IF NOT EXISTS task_attempt_id bigint;
 CREATE INDEX IF NOT EXISTS drain_backfill_attempts_run
     ON drain_backfill_attempts (run_token);
 

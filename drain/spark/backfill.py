@@ -186,7 +186,7 @@ def run(spark: SparkSession, df: DataFrame, m: mapping_.Mapping, options: Option
         partitions=options.partitions, run_token=str(uuid.uuid4()), faults=options.faults,
         committed=state.indexes,
         # A partition whose input is cut short must not commit (writer.InputCutShortError).
-        expected=writer.expected_rows(df, m.key, options.partitions),
+        expected=writer.expected_rows(df, m.key, options.partitions), partitioning=actual,
     )
     with progress.tracking(spark.sparkContext, "backfill", enabled=options.progress):
         summary = writer.write(lines, config, arrow=options.arrow)

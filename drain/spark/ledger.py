@@ -15,8 +15,11 @@
   is on record too: a task Spark retried after a failure, a speculative copy,
   an attempt that found its partition committed. ``outcome`` is NULL for an
   attempt stopped or lost before it could write how it ended (Spark killed the
-  slower copy, or its executor died). The driver reads them after the write
-  and the run reports them (:class:`Attempts`).
+  slower copy, or its executor died). An attempt is identified by Spark's
+  ``taskAttemptId()`` (``task_attempt_id``): ``attempt``, Spark's
+  ``attemptNumber()``, reads 0 again for a retry in a new attempt of the
+  stage (:mod:`drain.spark.task`). The driver reads them after the write and
+  the run reports them (:class:`Attempts`).
 
 Both tables come from ``drain migrate`` (staging_schema.sql).
 """
@@ -29,6 +32,7 @@ from typing import Any
 import psycopg
 
 from drain.errors import ConfigError, DatabaseUnavailable, PartitioningChanged, SchemaMissing
+from drain.spark import task
 from drain.url_parts import first_line
 from drain.urls import mask_database_url
 
@@ -48,9 +52,16 @@ FOUND_COMMITTED = "found committed"
 FAILED = "failed"
 
 _STARTED = (
-    "INSERT INTO drain_backfill_attempts (backfill_id, run_token, partition, attempt, host) "
-    "VALUES (%s, %s, %s, %s, %s) RETURNING id"
+    "INSERT INTO drain_backfill_attempts (backfill_id, run_token, partition, attempt, "
+    "task_attempt_id, host) VALUES (%s, %s, %s, %s, %s, %s) RETURNING id"
 )
+_RECORDED = (
+    "SELECT partitions, key_expr, key_type, hash_version FROM drain_backfills "
+    "WHERE backfill_id = %s"
+)
+_RECORDED_LOCKED = _RECORDED + " FOR SHARE"
+#: Columns added to the tables above since they were created (``drain migrate`` adds them).
+_ADDED_COLUMNS = ((ATTEMPTS, "task_attempt_id"),)
 _ENDED = "UPDATE drain_backfill_attempts SET outcome = %s, ended_at = now() WHERE id = %s"
 
 
@@ -222,11 +233,9 @@ def check_resume(run_id: str, recorded: Partitioning, wanted: Partitioning, expl
         )
 
 
-def _recorded(conn: psycopg.Connection[tuple[Any, ...]], run_id: str) -> Partitioning | None:
-    row = conn.execute(
-        "SELECT partitions, key_expr, key_type, hash_version FROM drain_backfills "
-        "WHERE backfill_id = %s", (run_id,),
-    ).fetchone()
+def _recorded(conn: psycopg.Connection[tuple[Any, ...]], run_id: str, *,
+              lock: bool = False) -> Partitioning | None:
+    row = conn.execute(_RECORDED_LOCKED if lock else _RECORDED, (run_id,)).fetchone()
     return None if row is None else Partitioning(int(row[0]), row[1], row[2], int(row[3]))
 
 
@@ -245,6 +254,12 @@ def _check_schema(conn: psycopg.Connection[tuple[Any, ...]], database_url: str) 
             f"database {mask_database_url(database_url)} has an older drain schema "
             f"(no {missing[0]} table): run `drain migrate`"
         )
+    for table, column in _ADDED_COLUMNS:
+        if not _has_column(conn, table, column):
+            raise SchemaMissing(
+                f"database {mask_database_url(database_url)} has an older drain schema "
+                f"(no column {table}.{column}): run `drain migrate`"
+            )
 
 
 def recorded_state(database_url: str, run_id: str) -> tuple[Partitioning | None, LedgerState]:
@@ -258,6 +273,14 @@ def recorded_state(database_url: str, run_id: str) -> tuple[Partitioning | None,
 
 def _exists(conn: psycopg.Connection[tuple[Any, ...]], table: str) -> bool:
     row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()
+    return bool(row and row[0])
+
+
+def _has_column(conn: psycopg.Connection[tuple[Any, ...]], table: str, column: str) -> bool:
+    row = conn.execute(
+        "SELECT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass(%s) "
+        "AND attname = %s AND NOT attisdropped)", (table, column),
+    ).fetchone()
     return bool(row and row[0])
 
 
@@ -310,11 +333,47 @@ def attempts(database_url: str, run_token: str) -> Attempts:
 
 
 def attempt_started(conn: psycopg.Connection[tuple[Any, ...]], *, run_id: str,
-                    run_token: str, partition: int, attempt: int, host: str | None) -> int:
+                    run_token: str, partition: int, attempt: task.Attempt,
+                    host: str | None) -> int:
     """Record an attempt (autocommit, before the partition's transaction); its id."""
-    row = conn.execute(_STARTED, (run_id, run_token, partition, attempt, host)).fetchone()
+    row = conn.execute(_STARTED, (run_id, run_token, partition, attempt.number,
+                                  attempt.task_attempt_id, host)).fetchone()
     assert row is not None
     return int(row[0])
+
+
+def check_claim(conn: psycopg.Connection[tuple[Any, ...]], run_id: str, partition: int,
+                partitions: int, writes: Partitioning | None) -> None:
+    """In a partition's transaction, before its claim: refuse (PartitioningChanged) to
+    write it unless drain_backfills still records the partitioning the run writes
+    with (``partitions``; and ``writes``' hash version, key and key identity), and
+    hold that row (FOR SHARE) until the partition commits.
+
+    drain's own drivers cannot get here with another partitioning: :func:`prepare`
+    claims the row or compares with it before any partition is written, and drain
+    never updates or deletes it. What can is outside drain's flow: the row deleted
+    or changed by hand while a run writes (then claimed again by another driver with
+    another count), or :func:`drain.spark.writer.write` called without
+    :func:`prepare`. Checked here, every committed partition agrees with the row.
+    """
+    recorded = _recorded(conn, run_id, lock=True)
+    if recorded is None:
+        what = "has no drain_backfills row (deleted while this run was writing?)"
+    elif recorded.partitions != partitions:
+        what = (f"is recorded in drain_backfills with {recorded.partitions} partitions, this "
+                f"run writes {partitions}")
+    elif writes is not None and (recorded.hash_version, recorded.key, recorded.identity) != (
+            writes.hash_version, writes.key, writes.identity):
+        what = (f"is recorded in drain_backfills with key {recorded.key!r} "
+                f"({recorded.key_type}, hash version {recorded.hash_version}), this run "
+                f"writes key {writes.key!r} ({writes.key_type}, hash version "
+                f"{writes.hash_version})")
+    else:
+        return
+    raise PartitioningChanged(
+        f"partition {partition}: backfill id {run_id!r} {what}: its records would get other "
+        "partitions; nothing of it was staged"
+    )
 
 
 def attempt_ended(conn: psycopg.Connection[tuple[Any, ...]], attempt_id: int,

@@ -13,14 +13,20 @@ Each partition, on an executor, records its attempt in
 ``drain_backfill_attempts`` (:mod:`drain.spark.ledger`; outside the
 transaction, with how it ended once it has), then, in one transaction:
 
+0. Check the id's ``drain_backfills`` row still records the partitioning the
+   rows were split by, and hold it (``FOR SHARE``) until the commit
+   (:func:`drain.spark.ledger.check_claim`).
 1. ``INSERT INTO drain_backfill_ledger (backfill_id, partition, ...) ON
    CONFLICT DO NOTHING RETURNING``: no row back means the partition has been
    committed already (by an earlier attempt or an earlier run) -> stage
    nothing. A concurrent attempt of the same partition waits here on the
    primary key until the first one commits or rolls back.
 2. ``COPY staged_jobs (...) FROM STDIN (FORMAT csv)``: the partition's jobs.
-3. Record the row count; COMMIT. The jobs and the ledger row commit together
-   or not at all, so a failure anywhere before the commit leaves nothing.
+3. Check that the partition got all its records from a live executor, then
+   record the row count and ``committed_at`` (``clock_timestamp()`` in the
+   transaction's last statement, not ``now()``, its start); COMMIT. The jobs
+   and the ledger row commit together or not at all, so a failure anywhere
+   before the commit leaves nothing.
 
 A partition the ledger showed committed when the run started gets no input
 (its records are filtered out before the shuffle) and returns without a
@@ -34,19 +40,15 @@ import dataclasses
 import functools
 import importlib.util
 import itertools
-import os
-import socket
-import sys
 import time
 import warnings
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import psycopg
 
 from drain.errors import DrainError, StagingError
-from drain.spark import ledger
+from drain.spark import ledger, task
 from drain.spark.mapping import COPY_COLUMNS, partition_of
 from drain.url_parts import first_line
 
@@ -64,8 +66,10 @@ _EARLIER = (
     "SELECT rows, run_token::text FROM drain_backfill_ledger "
     "WHERE backfill_id = %s AND partition = %s"
 )
+#: The transaction's last statement: ``now()`` would be the transaction's start, before
+#: the COPY; ``clock_timestamp()`` is as close to the COMMIT as a statement gets.
 _COUNT = (
-    "UPDATE drain_backfill_ledger SET rows = %s, committed_at = now() "
+    "UPDATE drain_backfill_ledger SET rows = %s, committed_at = clock_timestamp() "
     "WHERE backfill_id = %s AND partition = %s"
 )
 
@@ -90,6 +94,8 @@ class InputCutShortError(DrainError):
     cut at a batch boundary reads as a clean end: only a count taken beforehand
     tells the partition is short (measured: a 10,000,000-record backfill with an
     executor killed half-way committed 630,170 records too few before this check).
+    A stream cut inside an Arrow message fails the read instead; that is lost input
+    too, and raised as this error (:func:`drain.spark.task.cut_stream`).
     """
 
 
@@ -130,6 +136,10 @@ class WriterConfig:
     #: Records per partition, counted before the write (:func:`expected_rows`): a
     #: partition that receives fewer commits nothing. None: no check.
     expected: dict[int, int] | None = None
+    #: The partitioning the rows were split by (:func:`drain.spark.ledger.prepare`'s):
+    #: each partition checks it against the id's drain_backfills row before its claim
+    #: (:func:`drain.spark.ledger.check_claim`). None: only ``partitions`` is checked.
+    partitioning: ledger.Partitioning | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,16 +258,10 @@ def arrow_available() -> bool:
 # -- on the executors ----------------------------------------------------------------
 
 
-def _attempt() -> int:
-    from pyspark import TaskContext  # noqa: PLC0415
-
-    context = TaskContext.get()
-    return context.attemptNumber() if context is not None else 0
-
-
 def _fault(config: WriterConfig, index: int, point: str) -> None:
     for fault in config.faults:
-        if fault.partition == index and fault.point == point and _attempt() < fault.attempts:
+        if (fault.partition == index and fault.point == point
+                and task.current_attempt().number < fault.attempts):
             raise InjectedFault(f"injected failure {point} in partition {index}")
 
 
@@ -265,7 +269,7 @@ def write_arrow_partition(config: WriterConfig, batches: Iterable[Any]) -> Itera
     """mapInArrow: stage the partition's Arrow batches; yields one result batch."""
     import pyarrow as pa  # noqa: PLC0415
 
-    index = _partition_id()
+    index = task.partition_id()
     result = _write_partition(config, index, _arrow_chunks(index, batches))
     schema = pa.schema([
         ("partition", pa.int32()), ("rows", pa.int64()), ("skipped", pa.bool_()),
@@ -279,14 +283,6 @@ def write_row_partition(
 ) -> Iterator[PartitionResult]:
     """mapPartitionsWithIndex: stage the partition's rows; yields one result."""
     yield _write_partition(config, index, _row_chunks(index, rows, config.chunk_rows))
-
-
-def _partition_id() -> int:
-    from pyspark import TaskContext  # noqa: PLC0415
-
-    context = TaskContext.get()
-    assert context is not None, "not in a Spark task"
-    return context.partitionId()
 
 
 def _misplaced(bucket: int, index: int) -> PartitioningError:
@@ -303,7 +299,7 @@ def _arrow_chunks(index: int, batches: Iterable[Any]) -> Iterator[tuple[int, byt
     import pyarrow as pa  # noqa: PLC0415
     import pyarrow.compute as pc  # noqa: PLC0415
 
-    for batch in batches:
+    for batch in _read_input(index, batches):
         if batch.num_rows == 0:
             continue
         buckets, lines = batch.column(0), batch.column(1)
@@ -316,6 +312,26 @@ def _arrow_chunks(index: int, batches: Iterable[Any]) -> Iterator[tuple[int, byt
         bounds = memoryview(offsets).cast("q" if pa.types.is_large_string(lines.type) else "i")
         start, end = bounds[lines.offset], bounds[lines.offset + len(lines)]
         yield batch.num_rows, memoryview(data)[start:end]
+
+
+def _read_input(index: int, batches: Iterable[Any]) -> Iterator[Any]:
+    """``batches``; a stream cut inside a message raises InputCutShortError, not
+    pyarrow's ``ArrowInvalid: Tried reading schema message, was null or length 0``."""
+    stream = iter(batches)
+    while True:
+        try:
+            batch = next(stream, None)
+        except (ValueError, OSError) as exc:
+            if not task.cut_stream(exc):
+                raise
+            raise InputCutShortError(
+                f"partition {index}: its input was cut short inside an Arrow message "
+                f"({type(exc).__name__}: {first_line(exc)}), as when the executor feeding it "
+                "is lost; nothing of it was staged, Spark retries it"
+            ) from exc
+        if batch is None:
+            return
+        yield batch
 
 
 def _row_chunks(
@@ -333,31 +349,10 @@ def _row_chunks(
         yield len(chunk), "".join(chunk).encode()
 
 
-def _feeder() -> tuple[int, int] | None:
-    """This Python worker's parent and grandparent (Linux; None elsewhere).
-
-    pyspark's Python workers are forked by its daemon, itself a child of the
-    executor JVM (or by the JVM directly). When that JVM dies, its sockets
-    close: an input stream cut at a batch boundary reads as a clean end
-    (Arrow and pickled batches alike), so a partition could look complete.
-    The dead JVM's children are reparented, so a changed pair means: do not
-    commit.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    parent = os.getppid()
-    try:
-        stat = Path(f"/proc/{parent}/stat").read_text()
-    except OSError:
-        return (parent, -1)
-    # pid (comm) state ppid ...: comm may contain spaces and parentheses.
-    return (parent, int(stat.rsplit(")", 1)[1].split()[1]))
-
-
 def _write_partition(
     config: WriterConfig, index: int, chunks: Iterable[tuple[int, bytes | memoryview]]
 ) -> PartitionResult:
-    feeder = _feeder()
+    feeder = task.feeder()
     chunks = iter(chunks)
     if index in config.committed:
         # Committed before this run: its records were filtered out before the shuffle.
@@ -370,7 +365,7 @@ def _write_partition(
                          application_name=name[:63]) as conn:
         attempt = ledger.attempt_started(
             conn, run_id=config.run_id, run_token=config.run_token, partition=index,
-            attempt=_attempt(), host=_host(),
+            attempt=task.current_attempt(), host=task.host(),
         )
         try:
             result = _transaction(conn, config, index, chunks, feeder)
@@ -398,10 +393,6 @@ def _ended(conn: psycopg.Connection[tuple[Any, ...]], attempt: int, outcome: str
         ledger.attempt_ended(conn, attempt, outcome)
 
 
-def _host() -> str:
-    return f"{socket.gethostname()} pid {os.getpid()}"
-
-
 def _cause(exc: psycopg.Error) -> str:
     """Postgres' message and, for a COPY, the line and column it stopped at."""
     text = first_line(exc)
@@ -414,6 +405,7 @@ def _transaction(
     chunks: Iterable[tuple[int, bytes | memoryview]], feeder: tuple[int, int] | None,
 ) -> PartitionResult:
     with conn.transaction():
+        ledger.check_claim(conn, config.run_id, index, config.partitions, config.partitioning)
         claimed = conn.execute(
             _CLAIM, (config.run_id, index, config.partitions, config.run_token)
         ).fetchone()
@@ -428,7 +420,6 @@ def _transaction(
             for rows, payload in chunks:
                 copy.write(payload)
                 count += rows
-        conn.execute(_COUNT, (count, config.run_id, index))
         _fault(config, index, "before_commit")
         wanted = (config.expected or {}).get(index, 0)
         if config.expected is not None and count < wanted:
@@ -437,9 +428,10 @@ def _transaction(
                 "was cut short, e.g. a shuffle read from a lost executor, or the source lost "
                 "records during the run); nothing of it was staged, Spark retries it"
             )
-        if _feeder() != feeder:
+        if task.feeder() != feeder:
             raise ExecutorLost(
                 f"partition {index}: the executor feeding it died while it was written "
                 "(its input may be cut short); nothing of it was staged, Spark retries it"
             )
+        conn.execute(_COUNT, (count, config.run_id, index))
     return PartitionResult(index, count)

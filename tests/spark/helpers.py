@@ -57,3 +57,35 @@ def execute(db_url: str, *statements: str) -> None:
     with psycopg.connect(db_url) as conn:
         for statement in statements:
             conn.execute(statement)
+
+
+def on_first_commit(db_url: str, partition: int, action: str) -> None:
+    """At the COMMIT of ``partition``'s first attempt (in any backfill), run ``action``:
+    a deferred constraint trigger on the ledger, and a sequence (which no rollback
+    undoes) so that it acts once."""
+    execute(
+        db_url,
+        "CREATE SEQUENCE first_attempt",
+        f"""CREATE FUNCTION on_first_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NEW.partition = {partition} AND nextval('first_attempt') = 1 THEN
+                {action};
+            END IF;
+            RETURN NULL;
+        END $$""",
+        "CREATE CONSTRAINT TRIGGER on_first_commit AFTER INSERT ON drain_backfill_ledger "
+        "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION on_first_commit()",
+    )
+
+
+def attempts(db_url: str, run_id: str, partition: int) -> list[dict[str, Any]]:
+    """``partition``'s rows in drain_backfill_attempts, in the order they started."""
+    with psycopg.connect(db_url) as conn:
+        cur = conn.execute(
+            "SELECT attempt, task_attempt_id, host, started_at, ended_at, outcome "
+            "FROM drain_backfill_attempts WHERE backfill_id = %s AND partition = %s "
+            "ORDER BY started_at, id",
+            (run_id, partition),
+        )
+        names = [c.name for c in cur.description or ()]
+        return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from drain.errors import DrainError
-from drain.spark import backfill, cli, ledger, mapping, writer
+from drain.spark import backfill, cli, ledger, mapping, task, writer
 from tests import support
 from tests.spark import helpers
 
@@ -340,11 +340,11 @@ def test_partition_whose_feeding_executor_died_is_rolled_back(
         f"\"backfill.fed\",,\n" for k in range(3)
     ]
     chain = iter([(100, 50), (100, 1)])  # at the start; before the commit: reparented
-    monkeypatch.setattr(writer, "_feeder", lambda: next(chain))
+    monkeypatch.setattr(task, "feeder", lambda: next(chain))
     with pytest.raises(writer.ExecutorLost, match="partition 0: the executor feeding it died"):
         writer._write_partition(config, 0, [(3, "".join(lines).encode())])
     assert helpers.staged(db_url) == []
     assert helpers.ledger(db_url, "fed") == {}
-    monkeypatch.setattr(writer, "_feeder", lambda: (100, 50))
+    monkeypatch.setattr(task, "feeder", lambda: (100, 50))
     assert writer._write_partition(config, 0, [(3, "".join(lines).encode())]).rows == 3
     assert len(helpers.staged(db_url)) == 3

@@ -21,7 +21,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 
 from tests.spark import helpers
@@ -34,34 +33,6 @@ PARTITIONS = 8
 #: Longer than the other partitions take even on a loaded machine, so that Spark
 #: speculates while the first attempt still holds the partition's ledger key.
 SLOW_SECONDS = 30
-
-
-def _on_first_commit(db_url: str, partition: int, action: str) -> None:
-    """At the COMMIT of ``partition``'s first attempt (in any backfill), run ``action``."""
-    helpers.execute(
-        db_url,
-        "CREATE SEQUENCE first_attempt",
-        f"""CREATE FUNCTION on_first_commit() RETURNS trigger LANGUAGE plpgsql AS $$
-        BEGIN
-            IF NEW.partition = {partition} AND nextval('first_attempt') = 1 THEN
-                {action};
-            END IF;
-            RETURN NULL;
-        END $$""",
-        "CREATE CONSTRAINT TRIGGER on_first_commit AFTER INSERT ON drain_backfill_ledger "
-        "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION on_first_commit()",
-    )
-
-
-def _attempts(db_url: str, run_id: str, partition: int) -> list[dict[str, Any]]:
-    with psycopg.connect(db_url) as conn:
-        cur = conn.execute(
-            "SELECT attempt, host, started_at, ended_at, outcome FROM drain_backfill_attempts "
-            "WHERE backfill_id = %s AND partition = %s ORDER BY started_at",
-            (run_id, partition),
-        )
-        names = [c.name for c in cur.description or ()]
-        return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
 
 def _backfill(cluster: standalone.Cluster, bundle_dir: Path, db_url: str, tmp_path: Path,
@@ -82,7 +53,7 @@ def _backfill(cluster: standalone.Cluster, bundle_dir: Path, db_url: str, tmp_pa
 def test_speculative_copy_of_a_slow_partition_stages_nothing(
     workers: standalone.Cluster, bundle_dir: Path, db_url: str, tmp_path: Path
 ) -> None:
-    _on_first_commit(db_url, 5, f"PERFORM pg_sleep({SLOW_SECONDS})")
+    helpers.on_first_commit(db_url, 5, f"PERFORM pg_sleep({SLOW_SECONDS})")
     result = _backfill(workers, bundle_dir, db_url, tmp_path, run_id="speculated", conf={
         "spark.speculation": "true",
         "spark.speculation.interval": "100ms",
@@ -92,7 +63,7 @@ def test_speculative_copy_of_a_slow_partition_stages_nothing(
         # Spark 3.4+ also asks a slow task to look inefficient; this one is just slow.
         "spark.speculation.efficiency.enabled": "false",
     })
-    attempts = _attempts(db_url, "speculated", 5)
+    attempts = helpers.attempts(db_url, "speculated", 5)
     assert len(attempts) >= 2, attempts
     committed = [a for a in attempts if a["outcome"] == "committed"]
     assert len(committed) == 1, attempts
@@ -114,10 +85,10 @@ def test_speculative_copy_of_a_slow_partition_stages_nothing(
 def test_partition_failing_between_copy_and_commit_is_retried_once(
     workers: standalone.Cluster, bundle_dir: Path, db_url: str, tmp_path: Path
 ) -> None:
-    _on_first_commit(db_url, 2, "RAISE EXCEPTION 'refused at commit (test)'")
+    helpers.on_first_commit(db_url, 2, "RAISE EXCEPTION 'refused at commit (test)'")
     result = _backfill(workers, bundle_dir, db_url, tmp_path, run_id="retried",
                        conf={"spark.task.maxFailures": "4"})
-    attempts = _attempts(db_url, "retried", 2)
+    attempts = helpers.attempts(db_url, "retried", 2)
     assert [a["outcome"] for a in attempts][-1] == "committed"
     assert len(attempts) == 2, attempts
     failed = attempts[0]["outcome"]
