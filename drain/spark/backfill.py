@@ -118,7 +118,8 @@ def partitioning(df: DataFrame, m: mapping_.Mapping, partitions: int) -> ledger.
 
 def dry_run(df: DataFrame, m: mapping_.Mapping, options: Options, sample: int) -> dict[str, Any]:
     """How many jobs a run would stage given the ledger (the partitions committed by
-    earlier runs of the id are skipped), and the first ``sample`` of them (by key)."""
+    earlier runs of the id are skipped) and the records it would refuse
+    (:func:`drain.spark.rejects.split`), and the first ``sample`` of each (by key)."""
     check(m, options)
     unread = None
     try:
@@ -139,6 +140,15 @@ def dry_run(df: DataFrame, m: mapping_.Mapping, options: Options, sample: int) -
     if recorded is None and state.indexes and not complete:
         raise ledger.unrecorded(options.run_id, state)
     df = mapping_.without_partitions(df, m, options.partitions, state.indexes)
+    rejected, refused_rows = 0, []
+    if not complete:  # the split a run makes (rejects.check), without writing the file
+        df, refused = rejects.split(df, m, options.partitions)
+        if refused is not None and options.rejects_file is None:
+            rejects.stop_at_first(refused)
+        elif refused is not None:
+            rejected = refused.count()
+            refused_rows = (refused.orderBy("key").limit(sample).collect()
+                            if sample > 0 and rejected else [])
     jobs = plan(df, m, options)
     rows = jobs.orderBy("_key").limit(sample).collect() if sample > 0 and not complete else []
     return {
@@ -149,6 +159,10 @@ def dry_run(df: DataFrame, m: mapping_.Mapping, options: Options, sample: int) -
         "committed_rows": state.rows,
         #: Why the ledger could not be read (the count then assumes nothing committed).
         "ledger_unread": unread,
+        #: Records a run would refuse (with --rejects; without, the dry run refuses).
+        "rejected": rejected,
+        "rejects_file": options.rejects_file,
+        "rejected_sample": [r.asDict() for r in refused_rows],
         "sample": [
             {
                 "task_id": r["task_id"], "task_name": m.task_name,

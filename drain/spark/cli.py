@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from drain import cli_common, version
 from drain.errors import ConfigError, DatabaseUnavailable, DrainError
-from drain.spark import errors, sources
+from drain.spark import errors, output, sources
 from drain.spark import mapping as mapping_
 
 if TYPE_CHECKING:
@@ -101,7 +101,8 @@ def add_parsers(sub: Any) -> None:
                    help="stale when the downstream version is older (default) or different")
     p.add_argument("--sample", type=int, default=10, metavar="N",
                    help="ids shown per category (default 10)")
-    p.add_argument("--report", metavar="FILE", help="also write the report to FILE as JSON")
+    p.add_argument("--report", metavar="FILE", help="also write the report to FILE as "
+                   "indented JSON (atomically, as --json-file)")
     p.add_argument("--stage", action="store_true",
                    help="stage a job for every missing or stale record (needs --task, --tag)")
     _add_mapping(p, required=False)
@@ -189,6 +190,10 @@ def _add_run(p: argparse.ArgumentParser) -> None:
                    "before anything is staged)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--json-file", metavar="PATH",
+                   help="also write that JSON object to PATH (atomically, only on success): "
+                   "under spark-submit, whose stdout also carries drain's errors, the place "
+                   "to read the result from (docs/spark.md)")
 
 
 # -- handlers ---------------------------------------------------------------------------
@@ -257,6 +262,7 @@ def cmd_backfill(args: argparse.Namespace) -> int:
                                partitions=args.partitions or 1, where=args.where,
                                rejects_file=args.rejects)
     backfill.check(m, options)  # before Spark starts
+    output.check_writable(args.json_file, "--json-file")
     with _spark(args, "drain backfill") as spark:
         options = dataclasses.replace(
             options, partitions=_partitions(args, run_id, spark), progress=_progress(args, spark),
@@ -265,28 +271,32 @@ def cmd_backfill(args: argparse.Namespace) -> int:
         df = _read(spark, args)
         if args.dry_run:
             plan = backfill.dry_run(df, m, options, args.sample)
-            _print_dry_run(plan, args.json)
+            output.emit({"dry_run": True, **plan}, _dry_run_text(plan), as_json=args.json,
+                        json_file=args.json_file)
             return 0
         result = backfill.run(spark, df, m, options)
-    print(json.dumps(result.as_dict(), sort_keys=True) if args.json else result.text())
+    output.emit(result.as_dict(), result.text(), as_json=args.json, json_file=args.json_file)
     return 0
 
 
-def _print_dry_run(plan: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        print(json.dumps({"dry_run": True, **plan}, sort_keys=True, default=str))
-        return
+def _dry_run_text(plan: dict[str, Any]) -> str:
     shown = len(plan["sample"])
     committed = plan["committed_partitions"]
     earlier = (f" ({committed} committed by earlier runs with {plan['committed_rows']:,} "
                "job(s), skipped)") if committed else ""
     if plan["ledger_unread"]:
         earlier = f" (the ledger was not read: {plan['ledger_unread']})"
-    print(f"dry run: backfill {plan['backfill_id']!r} would stage {plan['count']:,} job(s) in "
-          f"{plan['partitions']} partitions{earlier}"
-          + (f"; the first {shown} by key:" if shown else ""))
-    for job in plan["sample"]:
-        print("  " + json.dumps(job, sort_keys=True, default=str))
+    lines = [f"dry run: backfill {plan['backfill_id']!r} would stage {plan['count']:,} job(s) "
+             f"in {plan['partitions']} partitions{earlier}"
+             + (f"; the first {shown} by key:" if shown else "")]
+    lines += ["  " + json.dumps(job, sort_keys=True, default=str) for job in plan["sample"]]
+    if plan["rejected"]:
+        refused = plan["rejected_sample"]
+        lines.append(f"and would refuse {plan['rejected']:,} record(s) (a run lists them in "
+                     f"{plan['rejects_file']})"
+                     + (f"; the first {len(refused)} by key:" if refused else ""))
+        lines += ["  " + json.dumps(row, sort_keys=True) for row in refused]
+    return "\n".join(lines)
 
 
 def cmd_reconcile(args: argparse.Namespace) -> int:
@@ -311,6 +321,8 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
         options = backfill.Options(database_url=args.database_url, run_id=run_id,
                                    partitions=args.partitions or 1, rejects_file=args.rejects)
         backfill.check(m, options)  # before Spark starts
+    output.check_writable(args.json_file, "--json-file")
+    output.check_writable(args.report, "--report")
     with _spark(args, "drain reconcile") as spark:
         from pyspark import StorageLevel  # noqa: PLC0415
 
@@ -339,15 +351,10 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
                 staged = result.text().replace("backfill", "repairs", 1)
         finally:
             compared.unpersist()
+    text = reconcile.table(rep) + (f"\n{staged}" if staged else "")
+    output.emit(rep, text, as_json=args.json, json_file=args.json_file)
     if args.report:
-        with open(args.report, "w", encoding="utf-8") as out:
-            json.dump(rep, out, indent=2, sort_keys=True, default=str)
-    if args.json:
-        print(json.dumps(rep, sort_keys=True, default=str))
-    else:
-        print(reconcile.table(rep))
-        if staged:
-            print(staged)
+        output.write_json(args.report, rep, "--report", indent=2)
     return 0
 
 

@@ -17,7 +17,10 @@ else why not, in :func:`drain.stage`'s words (drain/staging_values.py):
 shuffle, and only when the mapping has a string or float value): by default
 the first refused record ends the run, naming its key and partition, before
 anything is staged; with ``--rejects FILE`` every refused record is written to
-FILE (JSON lines: partition, key, reason) and the rest is staged. A resumed
+FILE (JSON lines: partition, key, reason) and the rest is staged. ``--dry-run``
+makes the same split (:func:`split`): it counts only the records a run would
+stage, refuses as a run would without ``--rejects``, and with it reports the
+refused records without writing FILE. A resumed
 backfill checks only the partitions it stages (those committed earlier were
 checked by the run that committed them), so its FILE lists only their records.
 """
@@ -110,6 +113,35 @@ def _values(columns: tuple[tuple[str, str], ...], expression: str | None) -> lis
     return [f"`{column}`" if column.isidentifier() else column for _, column in columns]
 
 
+def split(df: DataFrame, m: mapping_.Mapping,
+          partitions: int) -> tuple[DataFrame, DataFrame | None]:
+    """``df``'s records that can be staged, and the refused ones as ``partition``,
+    ``key`` and ``reason`` (None when the mapping can refuse no record); lazy."""
+    from pyspark.sql import functions as F  # noqa: PLC0415
+
+    why = reason(df, m)
+    if why is None:
+        return df.drop(mapping_.MALFORMED), None
+    key = F.expr(m.key)
+    refused = df.select(
+        mapping_.partition_of(key, partitions).alias("partition"),
+        key.cast("string").alias("key"), why.alias("reason"),
+    ).filter(F.col("reason").isNotNull())
+    return df.filter(why.isNull()).drop(mapping_.MALFORMED), refused
+
+
+def stop_at_first(refused: DataFrame) -> None:
+    """Raise StagingError for the first refused record, if there is one (no --rejects)."""
+    first = refused.limit(1).collect()
+    if first:
+        row = first[0]
+        raise StagingError(
+            f"record {row['key']} (partition {row['partition']}): {row['reason']}; "
+            "nothing was staged (--rejects FILE stages the other records and lists "
+            "the refused ones in FILE)"
+        )
+
+
 def check(df: DataFrame, m: mapping_.Mapping, partitions: int,
           rejects_file: str | None) -> tuple[DataFrame, int]:
     """``df`` without the records that cannot be staged, and how many those were.
@@ -117,30 +149,16 @@ def check(df: DataFrame, m: mapping_.Mapping, partitions: int,
     Without ``rejects_file`` a refused record raises StagingError (naming its key
     and partition) before anything is staged.
     """
-    from pyspark.sql import functions as F  # noqa: PLC0415
-
-    why = reason(df, m)
-    if why is None:
-        return df, 0
-    records = df.drop(mapping_.MALFORMED)
-    key = F.expr(m.key)
-    refused = df.select(
-        mapping_.partition_of(key, partitions).alias("partition"),
-        key.cast("string").alias("key"), why.alias("reason"),
-    ).filter(F.col("reason").isNotNull())
-    if rejects_file is None:
-        first = refused.limit(1).collect()
-        if first:
-            row = first[0]
-            raise StagingError(
-                f"record {row['key']} (partition {row['partition']}): {row['reason']}; "
-                "nothing was staged (--rejects FILE stages the other records and lists "
-                "the refused ones in FILE)"
-            )
+    records, refused = split(df, m, partitions)
+    if refused is None:
         return records, 0
+    everything = df.drop(mapping_.MALFORMED)  # no record refused: the write skips the check
+    if rejects_file is None:
+        stop_at_first(refused)
+        return everything, 0
     count = 0
     with open(rejects_file, "w", encoding="utf-8") as out:
         for row in refused.toLocalIterator():
             out.write(json.dumps(row.asDict(), sort_keys=True) + "\n")
             count += 1
-    return (df.filter(why.isNull()).drop(mapping_.MALFORMED) if count else records), count
+    return (records if count else everything), count

@@ -88,3 +88,36 @@ def test_schema_types_the_columns_as_given(
     assert code == 2 and err.startswith("drain: error: bad --schema 'id long, n'")
     code, _, err = helpers.run(capsys, *_backfill(db_url, path, "--schema", "id long"))
     assert code == 2 and "--schema gives 1 column(s), the CSV header 3 (id, n, text)" in err
+
+
+def test_dry_run_makes_the_split_the_run_makes(
+    spark: SparkSession, db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: --dry-run said it would stage 20 jobs, counting the malformed row 7 as
+    one; the run staged 19 and refused 1 (or, without --rejects, refused the run)."""
+    path = _csv(tmp_path, "7,x20,t7")
+    rejects = tmp_path / "rejects.jsonl"
+    reason = 'malformed CSV row: {"n":"x20"} is not a int'
+    dry = helpers.run_json(capsys, *_backfill(db_url, path, "--rejects", str(rejects),
+                                              "--dry-run"))
+    assert (dry["count"], dry["rejected"], dry["rejects_file"]) == (19, 1, str(rejects))
+    [refused] = dry["rejected_sample"]
+    assert (refused["key"], refused["reason"]) == ("7", reason)
+    assert not rejects.exists()  # a dry run writes nothing
+    code, out, _ = helpers.run(capsys, *_backfill(db_url, path, "--rejects", str(rejects),
+                                                  "--dry-run", "--sample", "2"))
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == ("dry run: backfill 'backfill.csv' would stage 19 job(s) in 2 "
+                        "partitions; the first 2 by key:")
+    assert lines[3] == (f"and would refuse 1 record(s) (a run lists them in {rejects}); the "
+                        "first 1 by key:")
+    assert json.loads(lines[4]) == refused
+    # Without --rejects the run stops at the malformed row: so does the dry run.
+    code, _, err = helpers.run(capsys, *_backfill(db_url, path, "--dry-run"))
+    assert code == 2
+    assert err.startswith("drain: error: record 7 (partition ") and reason in err
+    # ... and the run makes the split the dry run showed.
+    result = helpers.run_json(capsys, *_backfill(db_url, path, "--rejects", str(rejects)))
+    assert (result["rows"], result["rejected"]) == (19, 1)
+    assert len(helpers.staged(db_url)) == 19
