@@ -8,6 +8,7 @@
 * An Arrow input stream cut inside a message (the executor feeding the worker
   was lost) fails the partition as lost input (InputCutShortError), not as
   pyarrow's ``ArrowInvalid: Tried reading schema message, was null or length 0``.
+* A schema without task_attempt_id is refused until `drain migrate` adds it.
 * A partition whose run writes another partitioning than the id's
   drain_backfills row records is refused at its claim, staging nothing.
 """
@@ -22,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 import pytest
 
-from drain.errors import PartitioningChanged
+from drain import store
+from drain.errors import PartitioningChanged, SchemaMissing
 from drain.spark import backfill, ledger, mapping, writer
 from tests.spark import helpers
 
@@ -176,3 +178,23 @@ def test_a_partition_of_another_partitioning_than_the_ids_is_refused_at_its_clai
     outcomes = [a["outcome"] for a in helpers.attempts(db_url, "moved", 0)]
     assert len(outcomes) == 3
     assert all(o.startswith("failed: PartitioningChanged: partition 0: ") for o in outcomes)
+
+
+def test_a_schema_without_task_attempt_id_is_refused_until_drain_migrate(db_url: str) -> None:
+    """A database an older drain migrated: its attempts table lacks the column, and
+    every executor's INSERT would fail; the driver says so first (exit 4), and
+    `drain migrate` (twice: it is idempotent) adds it, keeping the rows there."""
+    helpers.execute(
+        db_url, "ALTER TABLE drain_backfill_attempts DROP COLUMN task_attempt_id",
+        "INSERT INTO drain_backfill_attempts (backfill_id, run_token, partition, attempt) "
+        "VALUES ('old', gen_random_uuid(), 0, 0)",
+    )
+    with pytest.raises(SchemaMissing, match=r"older drain schema \(no column "
+                                            r"drain_backfill_attempts.task_attempt_id\): run "
+                                            r"`drain migrate`"):
+        ledger.prepare(db_url, "upgraded", ledger.Partitioning(1, "id", "bigint"))
+    for _ in range(2):
+        with psycopg.connect(db_url) as conn:
+            store.migrate(conn)
+    ledger.prepare(db_url, "upgraded", ledger.Partitioning(1, "id", "bigint"))
+    assert helpers.attempts(db_url, "old", 0)[0]["task_attempt_id"] is None
