@@ -147,10 +147,12 @@ def stage(db_url: str, rows: list[Row]) -> None:
             row.task_id = str(found[0])
 
 
-def _seeds() -> list[int]:
+def _seed(run: int) -> int:
+    """Run 0 replays DRAIN_POISON_SEED when it is set; other runs draw their own.
+    Drawn when the test runs, not at collection, where it was the test's id: each
+    pytest-xdist worker collects the tests, and they must all find the same ids."""
     given = os.environ.get("DRAIN_POISON_SEED")
-    first = int(given) if given else random.SystemRandom().randrange(2**31)
-    return [first] + [random.SystemRandom().randrange(2**31) for _ in range(RUNS - 1)]
+    return int(given) if given and run == 0 else random.SystemRandom().randrange(2**31)
 
 
 @pytest.fixture
@@ -162,9 +164,10 @@ def suffix() -> Iterator[str]:
         f"pz with spaces {value}"}))
 
 
-@pytest.mark.parametrize("seed", _seeds())
+@pytest.mark.parametrize("run", range(RUNS))
 def test_poison_rows_never_stall_the_drain(db_url: str, suffix: str, spawn: Any,
-                                          seed: int) -> None:
+                                          run: int) -> None:
+    seed = _seed(run)
     print(f"\n[poison] seed {seed} (replay: DRAIN_POISON_SEED={seed})")
     rng = random.Random(seed)
     rows, odd_queues = generate(rng, suffix)

@@ -22,7 +22,7 @@ def test_session_settings_and_user_options(db_url: str) -> None:
         with psycopg.connect(db_url) as conn:
             row = conn.execute(
                 "SELECT application_name FROM pg_stat_activity "
-                "WHERE application_name LIKE 'drain pid=%%'"
+                "WHERE datname = current_database() AND application_name LIKE 'drain pid=%%'"
             ).fetchone()
         assert row is not None and " since=" in row[0]
         conn2 = store._require()
