@@ -5,7 +5,12 @@
 #   make demo       the end-to-end demo: stage, drain, run in a Celery worker; in .venv-demo,
 #                   drain's runtime dependencies only. DRAIN_DEMO_DATABASE, DRAIN_DEMO_QUEUE,
 #                   DRAIN_DEMO_METRICS_PORT... choose what it creates (celery_app/demo_setup.py)
-#   make test       the whole suite; ARGS are passed to pytest: make test ARGS='-k crash -x'
+#   make test       the whole suite, in parallel (pytest-xdist, TEST_WORKERS processes, 4 by
+#                   default); ARGS are passed to pytest: make test ARGS='-k crash -x', and
+#                   ARGS='-n 0' runs it in one process
+#   make test-fast  the fast tier, in parallel: tests/unit and the tests/integration tests
+#                   that start no subprocess (marker fast, set in tests/conftest.py); a
+#                   minute or two, for the edit-test loop. make test stays the full suite
 #   make test-unit  only tests/unit (needs no services)
 #   make test-spark-cluster  the spark_cluster tests: a standalone Spark cluster (not in make test)
 #   make lint       ruff check, mypy --strict and make docs
@@ -42,8 +47,13 @@ DEMO_STAMP := $(DEMO_VENV)/.installed
 # The one test command; README and CI use it through `make test`.
 TEST_CMD := $(BIN)/python -m pytest
 ARGS ?=
+# make test's parallel workers. Most tests wait on subprocesses, Postgres and the
+# broker rather than compute, so more workers than cores pays on 2 cores; the
+# Spark tests keep to one worker (xdist_group, --dist loadgroup; tests/conftest.py).
+TEST_WORKERS ?= 4
+PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
-.PHONY: venv demo-venv services demo test test-unit test-spark-cluster lint docs
+.PHONY: venv demo-venv services demo test test-fast test-unit test-spark-cluster lint docs
 .PHONY: soak soak-interleavings clean
 .PHONY: bench bench-throughput bench-latency bench-mvcc bench-memory bench-lanes bench-priority
 .PHONY: bench-staging bench-crashes bench-paused
@@ -87,10 +97,15 @@ endef
 
 # The spark_cluster tests (a standalone Spark cluster, minutes) run in test-spark-cluster.
 test: services venv
-	$(call run_tests,-m 'not spark_cluster' $(ARGS))
+	$(call run_tests,$(PARALLEL) -m 'not spark_cluster' $(ARGS))
+
+test-fast: services venv
+	$(call run_tests,$(PARALLEL) -m fast tests/unit tests/integration $(ARGS))
 
 # drain backfill/reconcile submitted to a real standalone cluster (a master and two
 # 1-core workers started by the tests), executors killed mid-run (tests/spark_cluster).
+# In one process, not under xdist: each module starts its own cluster (three JVMs and a
+# driver), and two at once on 2 cores would starve the executors the tests time and kill.
 test-spark-cluster: services venv
 	$(call run_tests,-m spark_cluster tests/spark_cluster $(ARGS))
 

@@ -5,19 +5,23 @@ raise its memory alarm at once: it blocks every connection that publishes
 (``connection.blocked``) until the watermark is raised again. The alarm is
 broker-wide, so a test must never leave it behind: :func:`memory_alarm` clears
 it in a ``finally``, and the ``broker_alarm`` fixture (tests/conftest.py) clears
-it again after the test whatever happened. Clearing restores the watermark the
-broker is *configured* with (``application:get_env``), not the one in force
-when the test began, so a run killed mid-alarm is mended by the next one.
+it again after the test whatever happened. A test with that fixture holds the
+broker lock (tests/broker_lock.py) exclusively, so no other test talks to the
+broker while the alarm is up; under pytest, :func:`raise_alarm` refuses to run
+without it. Clearing restores the watermark the broker is *configured* with
+(``application:get_env``), not the one in force when the test began, so a run
+killed mid-alarm is mended by the next one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import subprocess
 from collections.abc import Iterator
 
-from tests import support
+from tests import broker_lock, support
 
 #: A fraction of the machine's memory the broker is always above.
 TINY = "0.000001"
@@ -44,6 +48,9 @@ def configured_watermark() -> str:
 
 
 def raise_alarm() -> None:
+    if os.environ.get("PYTEST_CURRENT_TEST") and not broker_lock.holds_exclusive():
+        raise AssertionError("a test that raises the broker's memory alarm must ask for the "
+                             "broker_alarm fixture: it keeps every other broker test out")
     _rabbitmqctl("set_vm_memory_high_watermark", TINY)
     support.wait_for(lambda: "memory" in alarms(), 30, "the broker's memory alarm")
 

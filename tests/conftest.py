@@ -1,4 +1,13 @@
-"""Fixtures: a database per test (cloned from a migrated template), queues per test."""
+"""Fixtures: a database per test (cloned from a migrated template), queues per test.
+
+The suite runs in parallel under pytest-xdist (``make test``); what the workers
+share is ordered here: every test outside tests/unit holds the broker lock
+(tests/broker_lock.py) shared, and exclusively with the ``broker_alarm``
+fixture; the Spark tests share one worker (one JVM, ``xdist_group``); the
+least-privilege census is gathered from the workers. Tests are sorted into the
+fast tier (``make test-fast``, marker ``fast``) at collection:
+:func:`pytest_collection_modifyitems`.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +24,44 @@ import pytest
 import drain
 from drain import session, store
 from tests import broker_alarm as alarm
-from tests import roles, support
+from tests import broker_lock, roles, support
+
+_TESTS = Path(__file__).resolve().parent
+#: The directories of the fast tier: no services (unit) or in-process drains (integration).
+FAST_DIRS = (_TESTS / "unit", _TESTS / "integration")
+#: Fixtures that start subprocesses a test waits for (a celery worker, a ``drain run``):
+#: a test that asks for one is not in the fast tier.
+SUBPROCESS_FIXTURES = frozenset({"spawn", "processes", "start_pipeline"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the fast tier, and keep the Spark tests on one xdist worker.
+
+    ``fast``: a test in tests/unit or tests/integration that starts no
+    subprocess through :data:`SUBPROCESS_FIXTURES` and is not marked ``slow``
+    (mark a test ``slow`` by hand when it takes long without one). ``spark``
+    tests get ``xdist_group("spark")``: with ``--dist loadgroup`` they run on one
+    worker, which starts the one local SparkSession (a JVM) they share."""
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if (any(item.path.is_relative_to(d) for d in FAST_DIRS)
+                and not fixtures & SUBPROCESS_FIXTURES
+                and item.get_closest_marker("slow") is None):
+            item.add_marker(pytest.mark.fast)
+        if item.get_closest_marker("spark") is not None:
+            item.add_marker(pytest.mark.xdist_group("spark"))
+
+
+@pytest.fixture(autouse=True)
+def _broker_lock(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The broker lock (tests/broker_lock.py) for the whole test, setup and teardown
+    included: exclusively for a test that raises a memory alarm (``broker_alarm``),
+    shared for the others; tests/unit talk to no broker and take none."""
+    if request.node.path.is_relative_to(FAST_DIRS[0]):
+        yield
+        return
+    with broker_lock.held(exclusive="broker_alarm" in request.fixturenames):
+        yield
 
 
 @contextlib.contextmanager
@@ -67,10 +113,24 @@ def _counted(stage: Any) -> Any:
     return counted
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """An xdist worker sends its part of the census to the controller."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["drain_census"] = roles.census_export()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """The controller adds a finished xdist worker's census to its own."""
+    roles.census_import(getattr(node, "workeroutput", {}).get("drain_census", {}))
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """The least-privilege census: how many tests ran a drain or a ``drain`` command,
     or staged through drain.stage / stage_many, as the superuser (tests/roles.py);
-    the tests too with DRAIN_ROLE_CENSUS=1."""
+    the tests too with DRAIN_ROLE_CENSUS=1. Under xdist, the workers' censuses
+    added up (:func:`pytest_testnodedown`)."""
     for kind, (ran, as_superuser, which) in roles.census().items():
         if not ran:
             continue

@@ -177,6 +177,17 @@ def census_staging(conn: object) -> None:
         _record(APP_STAGING, user == _admin_user())
 
 
+def census_export() -> dict[str, list[list[object]]]:
+    """:data:`RUNS` as plain data an xdist worker can send to the controller."""
+    return {test: [[what, su] for what, su in sorted(runs)] for test, runs in RUNS.items()}
+
+
+def census_import(runs: dict[str, list[list[object]]]) -> None:
+    """Add another process's :func:`census_export` to :data:`RUNS`."""
+    for test, pairs in runs.items():
+        RUNS.setdefault(test, set()).update((str(what), bool(su)) for what, su in pairs)
+
+
 def census() -> dict[str, tuple[int, int, dict[str, list[str]]]]:
     """For drains and commands, and for app staging: (tests that did it, those that
     did it as the superuser, {such a test: what it ran as the superuser})."""

@@ -333,6 +333,7 @@ def _summary(outcomes: list[Outcome], seconds: float) -> dict[str, Any]:
             "interleavings": [dataclasses.asdict(o) for o in outcomes]}
 
 
+@pytest.mark.slow  # SECONDS of interleavings, a minute by default: not in make test-fast
 @pytest.mark.timeout(int(SECONDS) + 600)
 def test_random_interleavings_keep_the_invariants(db_url: str) -> None:
     outcomes: list[Outcome] = []

@@ -199,6 +199,7 @@ def _report(what: str, latencies: list[float]) -> str:
     return text
 
 
+@pytest.mark.slow  # RACES commits one after another, a minute or more: not in make test-fast
 @pytest.mark.timeout(300 + RACES // 10)  # make soak races 30,000
 def test_commits_raced_against_the_drain_going_idle_are_never_missed(
     db_url: str, queue: str, deliveries: Deliveries,
