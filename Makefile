@@ -48,10 +48,11 @@ DEMO_STAMP := $(DEMO_VENV)/.installed
 TEST_CMD := $(BIN)/python -m pytest
 ARGS ?=
 # make test's parallel workers. Most tests wait on subprocesses, Postgres and the
-# broker rather than compute, so more workers than cores pays on 2 cores; the
-# Spark tests keep to one worker (xdist_group, --dist loadgroup; tests/conftest.py).
+# broker rather than compute, so more workers than cores pays on 2 cores. Whole files
+# go to a worker (--dist loadfile): a module's tests share its module-scoped fixtures
+# and never run beside each other (docs/development.md, "Tests in parallel").
 TEST_WORKERS ?= 4
-PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: venv demo-venv services demo test test-fast test-unit test-spark-cluster lint docs
 .PHONY: soak soak-interleavings clean

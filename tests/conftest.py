@@ -3,10 +3,10 @@
 The suite runs in parallel under pytest-xdist (``make test``); what the workers
 share is ordered here: every test outside tests/unit holds the broker lock
 (tests/broker_lock.py) shared, and exclusively with the ``broker_alarm``
-fixture; the Spark tests share one worker (one JVM, ``xdist_group``); the
-least-privilege census is gathered from the workers. Tests are sorted into the
-fast tier (``make test-fast``, marker ``fast``) at collection:
-:func:`pytest_collection_modifyitems`.
+fixture; the least-privilege census is gathered from the workers. ``make test``
+hands out whole files (``--dist loadfile``), so a module's tests share a
+worker. Tests are sorted into the fast tier (``make test-fast``, marker
+``fast``) at collection: :func:`pytest_collection_modifyitems`.
 """
 
 from __future__ import annotations
@@ -32,36 +32,21 @@ FAST_DIRS = (_TESTS / "unit", _TESTS / "integration")
 #: Fixtures that start subprocesses a test waits for (a celery worker, a ``drain run``):
 #: a test that asks for one is not in the fast tier.
 SUBPROCESS_FIXTURES = frozenset({"spawn", "processes", "start_pipeline"})
-#: Tests that wait for the drain's keyset marks to pass a row, or hold a writing
-#: transaction open on purpose. The marks follow the snapshot's xmin, which is the
-#: whole server's oldest running transaction: two of these on two xdist workers hold
-#: each other's marks back, so they share one worker (xdist_group "xmin_horizon").
-XMIN_MODULES = frozenset({
-    _TESTS / "integration" / f"{name}.py"
-    for name in ("test_keyset", "test_keyset_inputs", "test_timed_marks", "test_paused",
-                 "test_rollback_marks", "test_interleavings")
-})
+
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the fast tier, and keep the Spark tests on one xdist worker.
+    """Mark the fast tier.
 
     ``fast``: a test in tests/unit or tests/integration that starts no
     subprocess through :data:`SUBPROCESS_FIXTURES` and is not marked ``slow``
-    (mark a test ``slow`` by hand when it takes long without one). ``spark``
-    tests get ``xdist_group("spark")``: with ``--dist loadgroup`` they run on one
-    worker, which starts the one local SparkSession (a JVM) they share; the tests
-    of :data:`XMIN_MODULES` share another."""
+    (mark a test ``slow`` by hand when it takes long without one)."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if (any(item.path.is_relative_to(d) for d in FAST_DIRS)
                 and not fixtures & SUBPROCESS_FIXTURES
                 and item.get_closest_marker("slow") is None):
             item.add_marker(pytest.mark.fast)
-        if item.get_closest_marker("spark") is not None:
-            item.add_marker(pytest.mark.xdist_group("spark"))
-        elif item.path in XMIN_MODULES:
-            item.add_marker(pytest.mark.xdist_group("xmin_horizon"))
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

@@ -32,10 +32,6 @@ from drain import config, url_parts, urls
 from drain.errors import ConfigError
 from tests import support
 
-#: The module-scoped ``outputs`` runs every command of the module once; under
-#: pytest-xdist its tests stay on one worker, or each worker would run them all again.
-pytestmark = pytest.mark.xdist_group("url_secrets")
-
 #: Subprocesses at once (the runner has few cores).
 PARALLEL = max(2, min(4, os.cpu_count() or 2))
 #: Every command here fails or finishes fast; this only bounds a hang.
