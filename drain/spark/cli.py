@@ -29,9 +29,11 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 _EPILOG = (
-    "Runs on Spark: local[*] by default (pip install 'drain-outbox[spark]' and a Java runtime), or "
-    "on a cluster through spark-submit (see docs/spark.md). Exit codes: 0 ok, 1 unexpected "
-    "error, 2 bad usage or input, 3 database unavailable, 4 schema missing."
+    "Runs on Spark: local[*] by default (pip install 'drain-outbox[spark]' and a Java "
+    "runtime), or on a cluster through spark-submit (see docs/spark.md). Exit codes: 0 ok, "
+    "1 Spark failed (a task's error, the Spark JVM lost) or unexpected error, 2 bad usage or "
+    "input, 3 database unavailable (also: it closed a partition's connection), 4 schema "
+    "missing, 6 a resume would partition differently."
 )
 
 
@@ -224,19 +226,25 @@ def _partitions(args: argparse.Namespace, run_id: str, spark: SparkSession) -> i
 def _spark(args: argparse.Namespace, app_name: str) -> Iterator[SparkSession]:
     from drain.spark import session  # noqa: PLC0415
 
-    # py4j logs every closed gateway connection at INFO; pyspark logs every analysis
-    # error it raises (as JSON, on its own handler): drain reports it in one line.
-    logging.getLogger("py4j").setLevel(logging.WARNING)
-    if not getattr(args, "verbose", False):
+    # py4j logs every closed gateway connection at INFO, and a lost JVM with tracebacks;
+    # pyspark logs every analysis error it raises (as JSON, on its own handler): drain
+    # reports them in one line.
+    verbose = bool(getattr(args, "verbose", False))
+    errors.quiet_py4j(verbose)
+    if not verbose:
         for name in ("DataFrameQueryContextLogger", "SQLQueryContextLogger"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    spark, created = session.get_session(args.master, app_name)
+    spark, created = session.get_session(args.master, app_name, verbose)
     try:
         with spark_errors():
             yield spark
+    except errors.SparkJvmLost:
+        created = False  # nothing left to stop
+        raise
     finally:
         if created:
-            spark.stop()
+            with spark_errors():
+                spark.stop()
 
 
 def _progress(args: argparse.Namespace, spark: SparkSession) -> bool:

@@ -46,11 +46,14 @@ def under_spark_submit() -> bool:
     return "PYSPARK_GATEWAY_PORT" in os.environ
 
 
-def get_session(master: str | None, app_name: str) -> tuple[SparkSession, bool]:
+def get_session(master: str | None, app_name: str,
+                verbose: bool = False) -> tuple[SparkSession, bool]:
     """The active SparkSession, or a new one; ``(session, created_here)``.
 
     ``master`` is ``--master`` / ``DRAIN_SPARK_MASTER``; ``None`` means
-    ``local[*]``, except under spark-submit, whose master is kept.
+    ``local[*]``, except under spark-submit, whose master is kept. A session created
+    here logs only FATAL lines (ERROR with ``verbose``): a failed task's stack trace
+    would come before drain's one line saying what failed (drain.spark.errors).
     """
     try:
         from pyspark.sql import SparkSession  # noqa: PLC0415 - pyspark is optional
@@ -83,7 +86,7 @@ def get_session(master: str | None, app_name: str) -> tuple[SparkSession, bool]:
     # drain draws its own progress bar (drain.spark.progress), in partitions.
     builder = builder.config("spark.ui.showConsoleProgress", "false")
     session = builder.getOrCreate()
-    session.sparkContext.setLogLevel("ERROR")
+    session.sparkContext.setLogLevel("ERROR" if verbose else "FATAL")
     return session, True
 
 

@@ -82,6 +82,12 @@ class PartitionError(DrainError):
     """Postgres refused a partition's COPY or commit (the message names the partition)."""
 
 
+class ConnectionLostError(DrainError):
+    """Postgres closed a partition's connection before its commit (terminated, shut
+    down, restarted, or the network dropped it): the database is unavailable, not the
+    partition's jobs refused. The CLI exits 3 (drain.spark.errors)."""
+
+
 class ExecutorLost(DrainError):
     """The executor feeding a partition died before its commit: the input may be short."""
 
@@ -370,7 +376,10 @@ def _write_partition(
         try:
             result = _transaction(conn, config, index, chunks, feeder)
         except psycopg.Error as exc:
-            error: Exception = PartitionError(
+            error: Exception = ConnectionLostError(
+                f"Postgres closed partition {index}'s connection ({first_line(exc)}); "
+                "nothing of it was staged"
+            ) if _connection_lost(conn, exc) else PartitionError(
                 f"partition {index}: Postgres refused it: {_cause(exc)}; nothing of it was "
                 "staged"
             )
@@ -391,6 +400,17 @@ def _ended(conn: psycopg.Connection[tuple[Any, ...]], attempt: int, outcome: str
     attempt without an outcome is reported as stopped or lost)."""
     with contextlib.suppress(psycopg.Error):
         ledger.attempt_ended(conn, attempt, outcome)
+
+
+#: SQLSTATEs of a server that ends the session: terminated by an administrator
+#: (pg_terminate_backend, a fast shutdown), crash recovery, starting up or shutting down.
+_SESSION_ENDED = ("57P01", "57P02", "57P03")
+
+
+def _connection_lost(conn: psycopg.Connection[tuple[Any, ...]], exc: psycopg.Error) -> bool:
+    """The error ended the connection (not a refusal of what the partition sent)."""
+    state = exc.sqlstate or ""
+    return conn.broken or state in _SESSION_ENDED or state.startswith("08")
 
 
 def _cause(exc: psycopg.Error) -> str:
