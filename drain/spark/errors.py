@@ -36,6 +36,12 @@ _UNREACHABLE = re.compile(
     r"Connection to \S+ refused|connection attempt failed|password authentication failed|"
     r"could not connect|Connection refused|OperationalError",
 )
+#: A value ANSI mode cannot cast: Spark's message ends with advice (try_cast) for its
+#: SQL users; drain's user gets the value, the types and what to do instead.
+_CAST_INVALID = re.compile(
+    r"\[CAST_INVALID_INPUT\] The value (.+?) of the type \"?([^\"]+?)\"? cannot be cast to "
+    r"\"?([^\"]+?)\"? because"
+)
 
 #: What to do after a partition lost its database connection or the driver its JVM.
 _RERUN = ("re-run with the same --id to stage the partitions that did not commit (those "
@@ -127,6 +133,14 @@ def describe(exc: BaseException) -> DrainError | None:
     raised = re.search(r"\[USER_RAISED_EXCEPTION\] (.+?)(?: SQLSTATE: \w+|$)", text, re.MULTILINE)
     if raised:  # raise_error() in drain's own expressions: a NULL key, args...
         return cli_common.UsageError(raised.group(1).strip())
+    cast = _CAST_INVALID.search(text)
+    if cast:  # Spark's advice (try_cast) is for SQL its user writes, not for drain's
+        value, source_type, target_type = cast.groups()
+        return cli_common.UsageError(
+            f"Spark cannot read the value {value} ({source_type.lower()}) as "
+            f"{target_type.lower()}: correct it in the data, or convert the column yourself "
+            "(a query: source; try_cast in --where or an -expr flag)"
+        )
     if type(exc).__name__ in ("AnalysisException", "ParseException"):
         return cli_common.UsageError(f"Spark: {_first_line(text)}")
     found = [m for m in _PY_ERROR.finditer(text) if not m.group(1).startswith("Py4J")]

@@ -15,8 +15,10 @@ Ids are counted once per side, whatever its rows: a NULL id is counted apart
 on its side (``null_ids``), compared with nothing and never staged; an id on
 several rows of a side is counted once, as its newest version (the source's
 newest row is the one a repair stages), and reported under
-``duplicate_ids`` (ids and rows). ``source_records`` and
-``downstream_records`` count rows.
+``duplicate_ids`` (ids and rows). A downstream id that the source's id type
+cannot hold (``"x7"`` where the source's ids are bigint) is counted apart too
+(``unreadable_ids``, with a sample of their text), compared with nothing.
+``source_records`` and ``downstream_records`` count rows.
 
 With ``--stage``, the missing and stale records go through the backfill's
 mapping and idempotent writer, under their own tag and run id.
@@ -36,6 +38,9 @@ STATUSES = ("missing", "stale", "extra", "ok")
 REPAIRED = ("missing", "stale")
 #: The statuses of a row whose id is NULL, on the source's side or the downstream's.
 NULLS = ("null_source", "null_downstream")
+#: The status of a downstream row whose id the source's id type cannot hold ("x7" for a
+#: bigint id): counted and sampled (its text, in ``_d_text``), compared with nothing.
+UNREADABLE = "unreadable_downstream"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +83,10 @@ def compare(truth: DataFrame, downstream: DataFrame, sides: Sides) -> DataFrame:
     _require(downstream, sides.downstream_id, "the downstream", "--downstream-id-column")
     id_type = truth.schema[sides.id_column].dataType
     t = truth.withColumn("_t_id", F.col(sides.id_column))
-    d_cols = [F.col(sides.downstream_id).cast(id_type).alias("_d_id")]
+    d_raw = F.col(sides.downstream_id)
+    d_id = d_raw.try_cast(id_type)
+    d_cols = [d_id.alias("_d_id"),
+              F.when(d_raw.isNotNull() & d_id.isNull(), d_raw.cast("string")).alias("_d_text")]
     version = sides.version_column
     if version is not None:
         _require(truth, version, "the source", "--version-column")
@@ -118,7 +126,8 @@ def compare(truth: DataFrame, downstream: DataFrame, sides: Sides) -> DataFrame:
     null_rows = (
         t.filter(F.col("_t_id").isNull()).withColumn("_status", F.lit("null_source"))
         .withColumn("_t_rows", F.lit(1).cast("long")),
-        d.filter(F.col("_d_id").isNull()).withColumn("_status", F.lit("null_downstream"))
+        d.filter(F.col("_d_id").isNull()).withColumn("_status", F.when(
+            F.col("_d_text").isNull(), F.lit("null_downstream")).otherwise(F.lit(UNREADABLE)))
         .withColumn("_d_rows", F.lit(1).cast("long")),
     )
     for rows in null_rows:
@@ -134,7 +143,7 @@ def report(compared: DataFrame, sample: int) -> dict[str, Any]:
     NULL ids (rows) and duplicated ids (ids, their rows, a sample) of each side."""
     from pyspark.sql import functions as F  # noqa: PLC0415
 
-    counts = {status: 0 for status in STATUSES + NULLS}
+    counts = {status: 0 for status in (*STATUSES, *NULLS, UNREADABLE)}
     for row in compared.groupBy("_status").count().collect():
         counts[row["_status"]] = int(row["count"])
     totals = compared.agg(
@@ -157,6 +166,11 @@ def report(compared: DataFrame, sample: int) -> dict[str, Any]:
             for side, p in (("source", "t"), ("downstream", "d"))
         },
     }
+    out["unreadable_ids"] = {
+        "count": counts[UNREADABLE], "type": compared.schema["_id"].dataType.simpleString(),
+        "sample": _sample(compared, F.col("_status") == UNREADABLE, sample, "_d_text")
+        if counts[UNREADABLE] else [],
+    }
     for status in ("missing", "stale", "extra"):
         ids = (_sample(compared, F.col("_status") == status, sample)
                if counts[status] else [])
@@ -164,11 +178,11 @@ def report(compared: DataFrame, sample: int) -> dict[str, Any]:
     return out
 
 
-def _sample(compared: DataFrame, condition: Any, sample: int) -> list[Any]:
+def _sample(compared: DataFrame, condition: Any, sample: int, column: str = "_id") -> list[Any]:
     if sample <= 0:
         return []
-    return [_plain(r["_id"]) for r in
-            compared.filter(condition).select("_id").orderBy("_id").limit(sample).collect()]
+    return [_plain(r[column]) for r in
+            compared.filter(condition).select(column).orderBy(column).limit(sample).collect()]
 
 
 def repairs(compared: DataFrame, truth_columns: list[str]) -> DataFrame:
@@ -188,23 +202,30 @@ def table(rep: dict[str, Any]) -> str:
     ]
     for status, label in (("missing", "missing"), ("stale", "stale"), ("extra", "extra")):
         entry = rep[status]
-        sample = ", ".join(str(i) for i in entry["sample"])
-        more = ", ..." if entry["count"] > len(entry["sample"]) else ""
-        lines.append(f"  {label:<11}{entry['count']:>10,}" + (f"   e.g. {sample}{more}"
-                                                               if sample else ""))
+        lines.append(f"  {label:<11}{entry['count']:>10,}" + _examples(entry))
     lines.append(f"  {'up to date':<11}{rep['ok']:>10,}")
     nulls = rep["null_ids"]
     if nulls["source"] or nulls["downstream"]:
         lines.append(f"  NULL id: {nulls['source']:,} source row(s), {nulls['downstream']:,} "
                      "downstream row(s) (compared with nothing, never staged)")
+    unreadable = rep["unreadable_ids"]
+    if unreadable["count"]:
+        lines.append(f"  unreadable: {unreadable['count']:,} downstream id(s) not a "
+                     f"{unreadable['type']} like the source's (compared with nothing)"
+                     + _examples(unreadable))
     for side, dup in rep["duplicate_ids"].items():
         if dup["count"]:
-            sample = ", ".join(str(i) for i in dup["sample"])
-            more = ", ..." if dup["count"] > len(dup["sample"]) else ""
             lines.append(f"  duplicated: {dup['count']:,} {side} id(s) on {dup['rows']:,} rows "
-                         "(each counted once, as its newest version)"
-                         + (f"   e.g. {sample}{more}" if sample else ""))
+                         "(each counted once, as its newest version)" + _examples(dup))
     return "\n".join(lines)
+
+
+def _examples(entry: dict[str, Any]) -> str:
+    """``"   e.g. 3, 10, ..."``: an entry's sample, and whether there are more."""
+    if not entry["sample"]:
+        return ""
+    more = ", ..." if entry["count"] > len(entry["sample"]) else ""
+    return f"   e.g. {', '.join(str(i) for i in entry['sample'])}{more}"
 
 
 def _plain(value: Any) -> Any:

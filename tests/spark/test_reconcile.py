@@ -303,3 +303,57 @@ def test_reconcile_stage_repairs_the_search_index_end_to_end(
     assert _counts(third) == {"missing": 0, "stale": 0, "extra": 1}
     assert third["staged"]["rows"] == 0
     assert support.staged_count(db_url) == 0
+
+
+def test_downstream_ids_the_source_type_cannot_hold_are_counted_apart(
+    spark: SparkSession, db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A text downstream id that is not a number ("x7") costs that row: counted apart and
+    sampled, compared with nothing; source id 7 is then missing, and repaired. Before: the
+    whole reconcile failed with exit 1, "[CAST_INVALID_INPUT] ... Use `try_cast`"."""
+    truth = str(tmp_path / "truth.parquet")
+    spark.createDataFrame([(i, 1) for i in range(1, 9)], "id long, version long").write.parquet(
+        truth)
+    downstream = str(tmp_path / "downstream.parquet")
+    spark.createDataFrame(
+        [(str(i), 1) for i in (1, 2, 3, 4, 5, 6, 8)] + [("x7", 1), (None, 1)],
+        "doc string, version long").write.parquet(downstream)
+    argv = ("reconcile", "--database-url", db_url, "--source", f"parquet:{truth}",
+            "--downstream", f"parquet:{downstream}", "--downstream-id-column", "doc",
+            "--version-column", "version", "--partitions", "2")
+    report = helpers.run_json(capsys, *argv)
+    assert _counts(report) == {"missing": 1, "stale": 0, "extra": 0}
+    assert report["missing"]["sample"] == [7]
+    assert report["unreadable_ids"] == {"count": 1, "type": "bigint", "sample": ["x7"]}
+    assert report["null_ids"] == {"source": 0, "downstream": 1}
+    assert (report["source_records"], report["downstream_records"], report["ok"]) == (8, 9, 7)
+    code, out, _ = helpers.run(capsys, *argv)
+    assert code == 0
+    assert ("  unreadable: 1 downstream id(s) not a bigint like the source's (compared with "
+            "nothing)   e.g. x7") in out.splitlines()
+    staged = helpers.run_json(capsys, *argv, "--stage", "--task", TASK, "--kwargs",
+                              "annotation_id=id", "--tag", "reconcile.unreadable", "--id", "r1")
+    assert staged["staged"]["rows"] == 1
+    assert [r["kwargs"] for r in helpers.staged(db_url)] == [{"annotation_id": 7}]
+
+
+def test_a_downstream_version_the_source_type_cannot_hold_is_one_line(
+    spark: SparkSession, db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Versions are compared as the source's type: one that cannot be read is a usage error
+    (exit 2) that says which value and what to do, not Spark's advice to use try_cast.
+    Before: exit 1, "Spark failed: [CAST_INVALID_INPUT] ... Use `try_cast` ..."."""
+    truth = str(tmp_path / "truth.parquet")
+    spark.createDataFrame([(i, 1) for i in range(1, 5)], "id long, version long").write.parquet(
+        truth)
+    downstream = str(tmp_path / "downstream.parquet")
+    spark.createDataFrame([(1, "1"), (2, "v2"), (3, "1")], "id long, version string"
+                          ).write.parquet(downstream)
+    code, _, err = helpers.run(
+        capsys, "reconcile", "--database-url", db_url, "--source", f"parquet:{truth}",
+        "--downstream", f"parquet:{downstream}", "--version-column", "version")
+    assert code == 2, err
+    assert err.count("\n") == 1, err
+    assert err.startswith("drain: error: Spark cannot read the value 'v2' (string) as bigint: "
+                          "correct it in the data, or convert the column yourself"), err
+    assert "Use `try_cast`" not in err, err
