@@ -10,8 +10,10 @@ else why not, in :func:`drain.stage`'s words (drain/staging_values.py):
   string ``"NaN"``): "kwargs for TASK are not
   JSON-serialisable: Out of range float values are not JSON compliant: nan; ...";
 * a malformed source row (a CSV row with too few or too many fields, or a value
-  its column's type cannot hold: drain.spark.sources), by the source's reason
-  in the column ``mapping.MALFORMED``.
+  its column's type cannot hold, a JSON line that does not parse, a Parquet
+  string that is not UTF-8: drain.spark.sources), by the source's reason in the
+  column ``mapping.MALFORMED``; a JSON line may have no key (and so no
+  partition): its line names it.
 
 :func:`check` runs it over the source before the write (a pass without a
 shuffle, and only when the mapping has a string or float value): by default
@@ -123,8 +125,8 @@ def split(df: DataFrame, m: mapping_.Mapping,
     if why is None:
         return df.drop(mapping_.MALFORMED), None
     key = F.expr(m.key)
-    refused = df.select(
-        mapping_.partition_of(key, partitions).alias("partition"),
+    refused = df.select(  # a malformed line may have no key, and so no partition
+        F.when(key.isNotNull(), mapping_.partition_of(key, partitions)).alias("partition"),
         key.cast("string").alias("key"), why.alias("reason"),
     ).filter(F.col("reason").isNotNull())
     return df.filter(why.isNull()).drop(mapping_.MALFORMED), refused
@@ -135,10 +137,11 @@ def stop_at_first(refused: DataFrame) -> None:
     first = refused.limit(1).collect()
     if first:
         row = first[0]
+        which = (f"record {row['key']} (partition {row['partition']}): "
+                 if row["key"] is not None else "")
         raise StagingError(
-            f"record {row['key']} (partition {row['partition']}): {row['reason']}; "
-            "nothing was staged (--rejects FILE stages the other records and lists "
-            "the refused ones in FILE)"
+            f"{which}{row['reason']}; nothing was staged (--rejects FILE stages the other "
+            "records and lists the refused ones in FILE)"
         )
 
 

@@ -17,6 +17,15 @@ non-empty values are. A row with too few or too many fields, or a value its
 column's type cannot hold, is malformed: its reason is in the column
 :data:`drain.spark.mapping.MALFORMED`, and it becomes a reject
 (drain/spark/rejects.py), never a job with a NULL or a changed type.
+
+The same column marks the other malformed records a file can hold:
+
+* a JSON line that does not parse (Spark's PERMISSIVE mode makes it a row of
+  NULLs): "malformed JSON line in FILE: <its first 100 characters>";
+* a Parquet string (at any depth: in a struct, an array, a map) that is not
+  valid UTF-8, which Spark would read as is and write into a job's JSON with
+  U+FFFD in place of the bad bytes: "malformed Parquet record: invalid UTF-8
+  in column NAME".
 """
 
 from __future__ import annotations
@@ -43,6 +52,8 @@ FILE_KINDS = ("parquet", "csv", "json")
 _RESCUED_TYPES = ("int", "bigint", "double", "boolean")
 #: Spark's column for a CSV line with too few or too many fields.
 _CORRUPT = "_drain_csv_line"
+#: Spark's column for a JSON line that does not parse.
+_JSON_LINE = "_drain_json_line"
 JDBC_KINDS = ("table", "query")
 KINDS = FILE_KINDS + JDBC_KINDS
 
@@ -147,12 +158,82 @@ def read(spark: SparkSession, source: Source, jdbc: JdbcOptions | None = None,
     if schema is not None and source.kind != "csv":
         raise ConfigError(f"--schema applies to csv: sources, not to {source.kind}:")
     if source.kind == "parquet":
-        return spark.read.parquet(source.target)
+        return _utf8_checked(spark.read.parquet(source.target))
     if source.kind == "csv":
         return _read_csv(spark, source.target, schema)
     if source.kind == "json":
-        return spark.read.json(source.target)
+        return _read_json(spark, source.target)
     return _read_jdbc(spark, source, jdbc or JdbcOptions())
+
+
+def _read_json(spark: SparkSession, path: str) -> DataFrame:
+    """The JSON lines, and MALFORMED for those that do not parse (when there are any:
+    Spark adds the corrupt-record column to the schema it infers only then)."""
+    from pyspark.sql import functions as F  # noqa: PLC0415
+
+    df = spark.read.json(path, mode="PERMISSIVE", columnNameOfCorruptRecord=_JSON_LINE)
+    if _JSON_LINE not in df.columns:
+        return df
+    line = F.col(_JSON_LINE)
+    why = F.when(line.isNotNull(), F.concat(
+        F.lit("malformed JSON line in "), F.col("_metadata.file_path"), F.lit(": "),
+        F.substring(F.rtrim(line), 1, 100)))
+    return df.select(*[F.col(f"`{c}`") for c in df.columns if c != _JSON_LINE],
+                     why.alias(MALFORMED))
+
+
+def _utf8_checked(df: DataFrame) -> DataFrame:
+    """``df`` with MALFORMED naming the first column holding a string that is not
+    valid UTF-8 (a Parquet writer may store any bytes as a string); ``df`` as it is
+    when it has no string."""
+    from pyspark.sql import functions as F  # noqa: PLC0415
+
+    checks = []
+    for field in df.schema.fields:
+        invalid = _invalid_utf8(F.col(f"`{field.name}`"), field.dataType)
+        if invalid is not None:
+            checks.append(F.when(invalid, F.lit(
+                f"malformed Parquet record: invalid UTF-8 in column {field.name}")))
+    return df.withColumn(MALFORMED, F.coalesce(*checks)) if checks else df
+
+
+def _invalid_utf8(value: Column, data_type: Any) -> Column | None:
+    """True when a string in ``value`` (at any depth) is not valid UTF-8; None when its
+    type holds no string."""
+    from pyspark.sql import functions as F  # noqa: PLC0415
+    from pyspark.sql import types as T  # noqa: PLC0415
+
+    if isinstance(data_type, T.StringType):
+        return ~F.is_valid_utf8(value)
+    found: list[Column] = []
+    if isinstance(data_type, T.StructType):
+        found = [c for f in data_type.fields
+                 if (c := _invalid_utf8(value.getField(f.name), f.dataType)) is not None]
+    elif isinstance(data_type, T.ArrayType):
+        found = _any_invalid_utf8(value, data_type.elementType)
+    elif isinstance(data_type, T.MapType):
+        found = (_any_invalid_utf8(F.map_keys(value), data_type.keyType)
+                 + _any_invalid_utf8(F.map_values(value), data_type.valueType))
+    if not found:
+        return None
+    combined = found[0]
+    for check in found[1:]:
+        combined = combined | check
+    return combined
+
+
+def _any_invalid_utf8(items: Column, element_type: Any) -> list[Column]:
+    from pyspark.sql import functions as F  # noqa: PLC0415
+
+    if _invalid_utf8(F.lit(None).cast(element_type), element_type) is None:
+        return []
+
+    def invalid(item: Column) -> Column:
+        found = _invalid_utf8(item, element_type)
+        assert found is not None
+        return found
+
+    return [F.exists(items, invalid)]
 
 
 def _read_csv(spark: SparkSession, path: str, schema: str | None) -> DataFrame:
