@@ -5,7 +5,7 @@
   stops, staging nothing, in one line naming the record and the column; with
   ``--rejects`` it is listed and the others are staged.
 * A JSON line that does not parse is reported as a malformed line of its file,
-  with its text, not as a record whose key is NULL.
+  with its text, not as a record whose key is NULL; by a dry run too.
 """
 
 from __future__ import annotations
@@ -61,14 +61,20 @@ def _argv(db_url: str, source: str, *extra: str) -> tuple[str, ...]:
             "--partitions", "2", *extra)
 
 
+def _refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """The command's one line on stderr; it must exit 2."""
+    code, _, err = helpers.run(capsys, *argv)
+    assert code == 2, err
+    assert err.count("\n") == 1, err
+    return err
+
+
 def test_invalid_utf8_in_a_parquet_string_is_a_reject(
     spark: SparkSession, db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Before: exit 0, all 10 staged, record 3's text "caf\ufffd"."""
     path = _invalid_utf8(tmp_path)
-    code, _, err = helpers.run(capsys, *_argv(db_url, f"parquet:{path}"))
-    assert code == 2, err
-    assert err.count("\n") == 1, err
+    err = _refused(capsys, *_argv(db_url, f"parquet:{path}"))
     assert err.startswith("drain: error: record 3 (partition "), err
     assert ("): malformed Parquet record: invalid UTF-8 in column text; nothing was staged "
             "(--rejects FILE") in err
@@ -90,17 +96,21 @@ def test_invalid_utf8_in_a_parquet_string_is_a_reject(
     assert all("\ufffd" not in k["text"] for k in kwargs)
 
 
-def test_a_malformed_json_line_is_named_as_such(
-    spark: SparkSession, db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """Before: exit 2, "a record's key (id) is NULL; nothing was staged"."""
+def _json_lines(tmp_path: Path) -> Path:
+    """ids 1..9 as JSON lines; line 5 does not parse."""
     path = tmp_path / "records.json"
     lines = [json.dumps({"id": i, "text": f"body {i}"}) for i in range(1, 10)]
     lines[4] = '{"id": 5, "text": "unterminated}'
     path.write_text("\n".join(lines) + "\n")
-    code, _, err = helpers.run(capsys, *_argv(db_url, f"json:{path}"))
-    assert code == 2, err
-    assert err.count("\n") == 1, err
+    return path
+
+
+def test_a_malformed_json_line_is_named_as_such(
+    spark: SparkSession, db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: exit 2, "a record's key (id) is NULL; nothing was staged"."""
+    path = _json_lines(tmp_path)
+    err = _refused(capsys, *_argv(db_url, f"json:{path}"))
     assert err.startswith(f"drain: error: malformed JSON line in file:{path}: "
                           '{"id": 5, "text": "unterminated}; nothing was staged (--rejects'), err
     assert helpers.staged(db_url) == []
@@ -115,3 +125,19 @@ def test_a_malformed_json_line_is_named_as_such(
     }]
     assert sorted(r["kwargs"]["annotation_id"] for r in helpers.staged(db_url)) == [
         1, 2, 3, 4, 6, 7, 8, 9]
+
+
+def test_a_dry_run_names_a_malformed_json_line_as_the_run_does(
+    spark: SparkSession, db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: exit 2, "a record's key (id) is NULL; nothing was staged"."""
+    path = _json_lines(tmp_path)
+    argv = _argv(db_url, f"json:{path}", "--dry-run", "--sample", "1")
+    err = _refused(capsys, *argv)
+    assert err.startswith(f"drain: error: malformed JSON line in file:{path}: "), err
+    rejects = str(tmp_path / "rejects.jsonl")
+    plan = helpers.run_json(capsys, *argv, "--rejects", rejects)
+    assert (plan["count"], plan["rejected"]) == (8, 1)
+    assert plan["rejected_sample"][0]["key"] is None
+    assert plan["rejected_sample"][0]["reason"].startswith("malformed JSON line in file:")
+    assert helpers.staged(db_url) == []
