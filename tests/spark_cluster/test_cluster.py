@@ -17,6 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from tests import support
@@ -119,7 +120,23 @@ def _kill_while_writing(cluster: standalone.Cluster, bundle_dir: Path, db_url: s
           f"{time.monotonic() - started:.1f}s later: {result}")
     assert result["rows"] == BIG
     submit.assert_every_key_once(db_url, run_id, BIG, 16)
+    _assert_attempts_told_apart(db_url, run_id)
     return result
+
+
+def _assert_attempts_told_apart(db_url: str, run_id: str) -> None:
+    """Every attempt has its own Spark task id, also where a lost executor's shuffle
+    output made Spark attempt the stage again and attemptNumber() restarted at 0."""
+    with psycopg.connect(db_url) as conn:
+        rows = conn.execute(
+            "SELECT partition, attempt, task_attempt_id FROM drain_backfill_attempts "
+            "WHERE backfill_id = %s", (run_id,),
+        ).fetchall()
+    ids = [tid for _, _, tid in rows]
+    assert None not in ids and len(set(ids)) == len(ids), rows
+    again = len(rows) - len({(p, a) for p, a, _ in rows})
+    print(f"{len(rows)} attempts; {again} shared their partition and attemptNumber with "
+          "another (a new stage attempt)")
 
 
 def test_executor_killed_while_writing(
