@@ -26,11 +26,12 @@ import traceback
 from collections.abc import Iterator
 
 from drain import cli_common
-from drain.errors import ConfigError, DatabaseUnavailable, DrainError
+from drain.errors import ConfigError, DatabaseUnavailable, DrainError, PartitioningChanged
 from drain.spark import writer
 
 _PY_ERROR = re.compile(
-    r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Violation|Fault)): (.+)$", re.MULTILINE
+    r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Violation|Fault)|PartitioningChanged): (.+)$",
+    re.MULTILINE
 )
 _UNREACHABLE = re.compile(
     r"Connection to \S+ refused|connection attempt failed|password authentication failed|"
@@ -148,6 +149,8 @@ def describe(exc: BaseException) -> DrainError | None:
         name, message = match.group(1), match.group(2).strip()
         if name in ("PythonException", "SparkException"):
             continue
+        if name == PartitioningChanged.__name__:  # a partition's claim refused it: exit 6
+            return PartitioningChanged(message)
         if name == writer.ConnectionLostError.__name__:
             return DatabaseUnavailable(f"{message}; {_RERUN}")
         if _UNREACHABLE.search(name + " " + message):

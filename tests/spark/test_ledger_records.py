@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import io
+import re
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ import pytest
 
 from drain import store
 from drain.errors import PartitioningChanged, SchemaMissing
-from drain.spark import backfill, ledger, mapping, writer
+from drain.spark import backfill, cli, ledger, mapping, writer
 from tests.spark import helpers
 
 if TYPE_CHECKING:
@@ -198,3 +199,23 @@ def test_a_schema_without_task_attempt_id_is_refused_until_drain_migrate(db_url:
             store.migrate(conn)
     ledger.prepare(db_url, "upgraded", ledger.Partitioning(1, "id", "bigint"))
     assert helpers.attempts(db_url, "old", 0)[0]["task_attempt_id"] is None
+
+
+def test_a_claim_refused_in_a_spark_task_is_partitioning_changed_exit_6(
+    spark: SparkSession, db_url: str
+) -> None:
+    """The refusal above, raised in Spark's tasks and given up on by Spark, reaches the
+    CLI as PartitioningChanged (exit 6), not as 'Spark failed' (exit 1): before, the
+    name of the executor's exception was not one the translation read."""
+    ledger.prepare(db_url, "moved", ledger.Partitioning(4, "id", "bigint"))
+    helpers.execute(db_url, "DELETE FROM drain_backfills WHERE backfill_id = 'moved'")
+    ledger.prepare(db_url, "moved", ledger.Partitioning(8, "id", "bigint"))
+    df = spark.range(0, 40)
+    config = writer.WriterConfig(db_url, "moved", 4, run_token=str(uuid.uuid4()),
+                                 partitioning=ledger.Partitioning(4, "id", "bigint"))
+    with pytest.raises(PartitioningChanged) as raised, cli.spark_errors():
+        writer.write(mapping.copy_lines(mapping.jobs(df, M, "moved", 4), M), config)
+    assert re.match(r"partition \d: backfill id 'moved' is recorded in drain_backfills with 8 "
+                    r"partitions, this run writes 4", str(raised.value)), str(raised.value)
+    assert "\n" not in str(raised.value)
+    assert helpers.staged(db_url) == []
