@@ -421,7 +421,7 @@ def test_wheel_carries_the_schema(tmp_path: Path) -> None:
         check=False,
     )
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
-    [wheel] = tmp_path.glob("drain-*.whl")
+    [wheel] = tmp_path.glob("drain_outbox-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         assert {"drain/staging_schema.sql", "drain/queries.sql", "drain/py.typed"} <= names
