@@ -767,15 +767,16 @@ def test_postgres_losses_do_not_leak_in_flight_batches(db_url: str, queue: str) 
     rng = random.Random()
     cuts = 0
     try:
-        deadline = time.monotonic() + 120
-        while support.staged_count(db_url) > 0:
-            assert time.monotonic() < deadline, "the drain wedged under Postgres cuts"
+        # A bounded number of cuts (not a time: a loaded machine drains slower), each
+        # while the drain is busy, then the drain finishes the backlog on its own.
+        while cuts < 12 and support.staged_count(db_url) > 0:
             _fault_pause(rng.uniform(0.2, 0.6))
             proxy.cut()
             cuts += 1
         # Idle again: nothing is in flight, so the publisher should hold no batch.
         support.wait_for(lambda: _lock_holder(db_url) is not None and not running.pipeline.inflight
-                         and support.staged_count(db_url) == 0, 30, "an idle, leading drain")
+                         and support.staged_count(db_url) == 0, 300,
+                         "an idle, leading drain after the Postgres cuts")
         held = list(running._publisher._inflight)
     finally:
         running.stop()
