@@ -13,6 +13,7 @@ fixture scans the output of every drain process of every test for them.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -480,6 +481,12 @@ def test_split_brain_the_cut_off_drain_cannot_delete_and_the_standby_finishes(
 # -- 8. kill -9 at random moments while the app keeps staging ------------------------------
 
 
+def _led_by(db_url: str, pids: set[int]) -> int | None:
+    """The pid of the drain among ``pids`` that holds the lock, if one does."""
+    holder = _lock_holder(db_url)
+    return holder if holder in pids else None
+
+
 def test_kill_9_at_random_moments_under_steady_staging(
     db_url: str, queue: str, spawn: Any
 ) -> None:
@@ -493,8 +500,11 @@ def test_kill_9_at_random_moments_under_steady_staging(
     started = time.monotonic()
     while kills < 24:
         _fault_pause(rng.uniform(0.5, 1.5))
-        holder = _lock_holder(db_url)
         alive = [d for d in drains if d.proc.poll() is None]
+        # A loaded machine can take longer than the pause for a new leader to take the
+        # lock: wait for one, so that the share of kills that hit it does not depend on load.
+        holder = support.wait_for(functools.partial(_led_by, db_url, {d.pid for d in alive}),
+                                  60, "a drain to hold the lock")
         victim = next((d for d in alive if d.pid == holder), None)
         if victim is None or rng.random() < 0.15:
             victim = rng.choice(alive)
