@@ -31,6 +31,8 @@ The same column marks the other malformed records a file can hold:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -188,52 +190,52 @@ def _utf8_checked(df: DataFrame) -> DataFrame:
     when it has no string."""
     from pyspark.sql import functions as F  # noqa: PLC0415
 
-    checks = []
-    for field in df.schema.fields:
-        invalid = _invalid_utf8(F.col(f"`{field.name}`"), field.dataType)
-        if invalid is not None:
-            checks.append(F.when(invalid, F.lit(
-                f"malformed Parquet record: invalid UTF-8 in column {field.name}")))
+    checks = [F.when(_invalid_utf8(F.col(f"`{field.name}`"), field.dataType), F.lit(
+                  f"malformed Parquet record: invalid UTF-8 in column {field.name}"))
+              for field in df.schema.fields if _holds_string(field.dataType)]
     return df.withColumn(MALFORMED, F.coalesce(*checks)) if checks else df
 
 
-def _invalid_utf8(value: Column, data_type: Any) -> Column | None:
-    """True when a string in ``value`` (at any depth) is not valid UTF-8; None when its
-    type holds no string."""
+def _holds_string(data_type: Any) -> bool:
+    """Whether a value of ``data_type`` holds a string, at any depth."""
+    from pyspark.sql import types as T  # noqa: PLC0415
+
+    if isinstance(data_type, T.StringType):
+        return True
+    if isinstance(data_type, T.StructType):
+        return any(_holds_string(f.dataType) for f in data_type.fields)
+    if isinstance(data_type, T.ArrayType):
+        return _holds_string(data_type.elementType)
+    if isinstance(data_type, T.MapType):
+        return _holds_string(data_type.keyType) or _holds_string(data_type.valueType)
+    return False
+
+
+def _invalid_utf8(value: Column, data_type: Any) -> Column:
+    """True when a string in ``value`` (at any depth) is not valid UTF-8; for a
+    ``data_type`` that :func:`_holds_string`."""
     from pyspark.sql import functions as F  # noqa: PLC0415
     from pyspark.sql import types as T  # noqa: PLC0415
 
     if isinstance(data_type, T.StringType):
         return ~F.is_valid_utf8(value)
-    found: list[Column] = []
     if isinstance(data_type, T.StructType):
-        found = [c for f in data_type.fields
-                 if (c := _invalid_utf8(value.getField(f.name), f.dataType)) is not None]
+        checks = [_invalid_utf8(value.getField(f.name), f.dataType) for f in data_type.fields
+                  if _holds_string(f.dataType)]
     elif isinstance(data_type, T.ArrayType):
-        found = _any_invalid_utf8(value, data_type.elementType)
-    elif isinstance(data_type, T.MapType):
-        found = (_any_invalid_utf8(F.map_keys(value), data_type.keyType)
-                 + _any_invalid_utf8(F.map_values(value), data_type.valueType))
-    if not found:
-        return None
-    combined = found[0]
-    for check in found[1:]:
-        combined = combined | check
-    return combined
+        checks = [_any_invalid_utf8(value, data_type.elementType)]
+    else:  # a map
+        checks = [_any_invalid_utf8(items, of) for items, of in (
+            (F.map_keys(value), data_type.keyType), (F.map_values(value), data_type.valueType))
+            if _holds_string(of)]
+    return functools.reduce(operator.or_, checks)
 
 
-def _any_invalid_utf8(items: Column, element_type: Any) -> list[Column]:
+def _any_invalid_utf8(items: Column, element_type: Any) -> Column:
+    """True when an element of the array ``items`` holds a string that is not UTF-8."""
     from pyspark.sql import functions as F  # noqa: PLC0415
 
-    if _invalid_utf8(F.lit(None).cast(element_type), element_type) is None:
-        return []
-
-    def invalid(item: Column) -> Column:
-        found = _invalid_utf8(item, element_type)
-        assert found is not None
-        return found
-
-    return [F.exists(items, invalid)]
+    return F.exists(items, lambda item: _invalid_utf8(item, element_type))
 
 
 def _read_csv(spark: SparkSession, path: str, schema: str | None) -> DataFrame:
