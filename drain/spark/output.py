@@ -62,10 +62,9 @@ def write_json(path: str, obj: Any, flag: str, *, indent: int | None = None) -> 
         ) from None
 
 
-def emit(obj: dict[str, Any], text: str | None, *, as_json: bool,
-         json_file: str | None) -> None:
-    """Print ``text`` (the object as one JSON line with ``as_json``, or when there is no
-    text), then write the object to ``json_file``."""
-    print(json.dumps(obj, sort_keys=True, default=str) if as_json or text is None else text)
+def emit(obj: dict[str, Any], text: str, *, as_json: bool, json_file: str | None) -> None:
+    """Print ``text`` (the object as one JSON line with ``as_json``), then write the
+    object to ``json_file``."""
+    print(json.dumps(obj, sort_keys=True, default=str) if as_json else text)
     if json_file is not None:
         write_json(json_file, obj, "--json-file")
