@@ -39,7 +39,7 @@ def is_sqlalchemy(conn: Any) -> bool:
     return type(conn).__module__.startswith("sqlalchemy.")
 
 
-def _is_django(conn: Any) -> bool:
+def is_django(conn: Any) -> bool:
     return type(conn).__module__.startswith("django.")
 
 
@@ -62,7 +62,7 @@ def refuse_autocommit(conn: Any) -> None:
     """
     if is_sqlalchemy(conn):
         refused = _sqlalchemy_autocommit(conn)
-    elif _is_django(conn):
+    elif is_django(conn):
         wrapper = getattr(conn, "db", conn)  # a Django CursorWrapper has .db
         get_autocommit = getattr(wrapper, "get_autocommit", None)
         refused = (

@@ -17,6 +17,7 @@ from typing import Any
 
 import psycopg
 
+from drain import consumer_sql
 from drain.errors import FixtureError
 
 #: Django settings_dict keys -> libpq keywords.
@@ -26,13 +27,12 @@ _DJANGO_KEYS = {"NAME": "dbname", "USER": "user", "PASSWORD": "password", "HOST"
 
 def database_url(conn: Any) -> str:
     """A libpq connection string for the database ``conn`` is connected to."""
-    module = type(conn).__module__
-    if module.startswith("django."):
+    if consumer_sql.is_django(conn):
         params = {_DJANGO_KEYS[key]: str(value)
                   for key, value in getattr(conn, "settings_dict", {}).items()
                   if key in _DJANGO_KEYS and value}
         return psycopg.conninfo.make_conninfo(**params)
-    if module.startswith("sqlalchemy."):
+    if consumer_sql.is_sqlalchemy(conn):
         engine = getattr(conn, "engine", None) or conn.get_bind()
         url = engine.url.set(drivername="postgresql")
         return str(url.render_as_string(hide_password=False))
@@ -42,5 +42,6 @@ def database_url(conn: Any) -> str:
         return psycopg.conninfo.make_conninfo(driver.info.dsn,
                                               **({"password": password} if password else {}))
     raise FixtureError(
-        f"cannot tell which database a {module}.{type(conn).__name__} is on: give its URL "
-        "by overriding the drain_database_url fixture (or the drain_database_url ini option)")
+        f"cannot tell which database a {type(conn).__module__}.{type(conn).__name__} is on: "
+        "give its URL by overriding the drain_database_url fixture (or the "
+        "drain_database_url ini option)")
