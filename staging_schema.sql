@@ -88,7 +88,7 @@ ALTER TABLE staged_jobs
     -- The transaction that staged (or last updated) the row: always that
     -- transaction's own id, whatever a statement gives (the trigger below sees
     -- to it). Ready rows are fetched in (priority, xact, id) order, and the
-    -- drain's low-water marks rest on it (drain/keyset.py): a row that is not
+    -- drain's low-water marks rest on it (drain/postgres/keyset.py): a row that is not
     -- visible yet belongs to a transaction still running, so its xact is at
     -- least the oldest running transaction id. Ids carry no such promise (a
     -- sequence can be reset, cached per session, or bypassed).
@@ -167,7 +167,7 @@ CREATE INDEX IF NOT EXISTS staged_jobs_expiring_idx
     ON staged_jobs (expires_at) WHERE expires_at IS NOT NULL;
 -- Delayed and expiring rows staged (or updated) by recent transactions: the
 -- drain reads the other two indexes from low-water marks and finds the rows
--- that appeared below them through this one (drain/keyset.py, "Delayed and
+-- that appeared below them through this one (drain/postgres/keyset.py, "Delayed and
 -- expiring rows"). Ready rows without an expiry are not in it.
 CREATE INDEX IF NOT EXISTS staged_jobs_timed_xact_idx
     ON staged_jobs (xact) WHERE not_before IS NOT NULL OR expires_at IS NOT NULL;
@@ -186,7 +186,7 @@ COMMENT ON TABLE staged_jobs IS
 -- only while it is odd. Reading a sequence is not MVCC: it sees the flag as it
 -- is now, and locks the sequence until the transaction ends, so a drain that
 -- raises the flag sees in pg_locks every writer that may have read it low and
--- looks once more after they end (drain/wakeup.py has the argument). Staging
+-- looks once more after they end (drain/postgres/wakeup.py has the argument). Staging
 -- never waits for the drain (the lock conflicts with nothing a writer or the
 -- drain takes) and never fails because it is gone. Statement-level: once per
 -- INSERT or COPY statement, not per row.
@@ -483,7 +483,7 @@ BEGIN
         GRANT SELECT, INSERT ON dead_jobs TO drain_runner;
         -- Drains of earlier versions read it (an upgrade runs both for a while).
         GRANT SELECT ON drain_schema_state TO drain_runner;
-        -- It raises and lowers the wake flag (drain/wakeup.py).
+        -- It raises and lowers the wake flag (drain/postgres/wakeup.py).
         GRANT UPDATE ON SEQUENCE drain_wake TO drain_runner;
     END IF;
     IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'drain_operator') THEN

@@ -18,8 +18,8 @@ import pika
 import psycopg
 
 import drain
-from drain import store
-from drain.urls import broker_parameters
+from drain.postgres import store
+from drain.settings.urls import broker_parameters
 
 ADMIN_URL = os.environ.get("DRAIN_BENCH_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 BROKER_URL = os.environ.get("DRAIN_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")

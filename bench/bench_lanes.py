@@ -65,8 +65,10 @@ import pika
 import psycopg
 
 import drain
-from drain import message
-from drain.urls import broker_parameters
+from drain.broker.outgoing import Message
+from drain.celery import message
+from drain.postgres.rows import StagedRow
+from drain.settings.urls import broker_parameters
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_common import (
@@ -460,12 +462,12 @@ def measure(rnd: Round, *, batch_size: int, interval: float, timeout: float,
 # -- the broker's ceiling: N raw publishers at once ------------------------------------------
 
 
-def raw_messages(n: int, queue: str, first_id: int) -> list[message.Message]:
+def raw_messages(n: int, queue: str, first_id: int) -> list[Message]:
     """The messages the drain would build for ``n`` rows staged as this bench stages them."""
     origin = message.origin()
     return [
         message.build(
-            message.StagedRow(i, uuid.uuid4(), "bench.index_annotation", json.dumps([i]),
+            StagedRow(i, uuid.uuid4(), "bench.index_annotation", json.dumps([i]),
                               json.dumps({"user": f"user{i % 97}"}), queue),
             origin=origin, reply_to=str(uuid.uuid4()))
         for i in range(first_id, first_id + n)

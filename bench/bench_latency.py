@@ -8,10 +8,10 @@
 Target: at a steady rate of single-row staging transactions, the time from the
 staging COMMIT to the broker's confirm of that job's message is p50 <= 5 ms and
 p99 <= 50 ms. 200 jobs/s comes from one stager; at 50 jobs/s the drain is
-mostly idle, armed between jobs, and its wake-up (drain.wakeup) decides the
+mostly idle, armed between jobs, and its wake-up (drain.postgres.wakeup) decides the
 latency.
 
-Set-up: a fresh database migrated with ``drain.store.migrate``, a fresh durable
+Set-up: a fresh database migrated with ``drain.postgres.store.migrate``, a fresh durable
 queue, and the drain as a separate process (``drain run``, the thing measured),
 started once and kept for all the rates, as in production. Stager processes
 (``--stagers``; by default one per 500 jobs/s) commit one ``drain.stage()`` per
@@ -26,7 +26,7 @@ CLOCK_REALTIME, read in different processes):
 
 * **commit -> confirm** (the target), read inside the drain process: by
   default the drain runs as ``python bench/bench_latency.py --drain-probe run
-  ...``, which is exactly ``drain run`` (``drain.cli.main``) with timestamping
+  ...``, which is exactly ``drain run`` (``drain.cli.main.main``) with timestamping
   wrappers around a few methods: the broker's ``basic.ack`` callback, fetch,
   publish, the wait for confirms, the batch transaction and the idle wait.
   Each appends one tuple per call and everything is written to a JSON file at
@@ -104,14 +104,14 @@ StagedRecord = tuple[str, int, float, float, float]
 
 
 def drain_probe(argv: list[str]) -> int:
-    """``drain run`` (drain.cli.main) with timestamps on a few methods, dumped at exit.
+    """``drain run`` (drain.cli.main.main) with timestamps on a few methods, dumped at exit.
 
     Each wrapper reads time.time() and appends one tuple; the drain's own code
     runs unchanged. The dump goes to the file named by $BENCH_LATENCY_PROBE.
     """
-    from drain import cli
-    from drain.publisher import Publisher
-    from drain.store import Store
+    from drain.broker.publisher import Publisher
+    from drain.cli import main as cli
+    from drain.postgres.store import Store
 
     out_path = os.environ["BENCH_LATENCY_PROBE"]
     rec: dict[str, list[Any]] = {
@@ -208,7 +208,7 @@ def consumer_process(broker_url: str, queue: str, ready: Any, stop: Any, out: An
     """Record time.time() at each delivery, by task id; send {task_id: [t, ...]} at the end."""
     import pika
 
-    from drain.urls import broker_parameters
+    from drain.settings.urls import broker_parameters
 
     got: dict[str, list[float]] = {}
     conn = pika.BlockingConnection(broker_parameters(broker_url))

@@ -56,7 +56,7 @@ from typing import Any
 import pika
 import psycopg
 
-from drain.urls import broker_parameters
+from drain.settings.urls import broker_parameters
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_common import (

@@ -4,7 +4,7 @@
                                [--strategies head,keyset] [--png PATH] [--docs-png] [--smoke]
 
 For each fetch strategy ("head": the plain head-of-index fetch; "keyset": the
-drain's default, see drain/keyset.py), in a fresh database with a fresh queue:
+drain's default, see drain/postgres/keyset.py), in a fresh database with a fresh queue:
 
 * ``--stagers`` processes (default 2, own sessions) together commit ``--rate``
   jobs/s with ``drain.stage()``, one job per transaction; when Python falls
@@ -60,9 +60,9 @@ import pika
 import psycopg
 
 import drain
-from drain.config import Settings
-from drain.runner import Drain, State
-from drain.urls import broker_parameters
+from drain.daemon.runner import Drain, State
+from drain.settings.config import Settings
+from drain.settings.urls import broker_parameters
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (
@@ -257,7 +257,7 @@ FROM pg_stat_user_tables s WHERE s.relname = 'staged_jobs'
 """
 
 #: The keyset marks move only once every transaction with an xid that was running
-#: a moment ago has ended (drain/keyset.py): xids are cluster-wide, so a long
+#: a moment ago has ended (drain/postgres/keyset.py): xids are cluster-wide, so a long
 #: writing transaction in any database holds them back. Noted to explain a run.
 WRITER_SQL = """
 SELECT extract(epoch FROM now() - xact_start)::float8, datname FROM pg_stat_activity

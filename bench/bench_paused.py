@@ -11,7 +11,7 @@ is timed (``Drain(on_fetch=...)``: the fetch query and the look at the heads
 that moves the marks). Reported per pile: the fetch time per full batch
 (median, p90, p99, max) and how many fetches were slow (over 5 x the
 no-pile median: those that follow a reset of the marks when the pause runs
-out and the queue is tried again, see drain.keyset "Paused queues").
+out and the queue is tried again, see drain.postgres.keyset "Paused queues").
 
 ``--smoke`` (a 20,000-row pile, 5,000 flowing jobs) checks that the bench
 works. Prints a table and writes bench/results/paused.json
@@ -35,8 +35,8 @@ import bench_common as bc
 import psycopg
 
 import drain
-from drain.config import Settings
-from drain.runner import Drain
+from drain.daemon.runner import Drain
+from drain.settings.config import Settings
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: The goal: the median fetch with the pile within this factor of the one without.

@@ -6,7 +6,7 @@ Stages a backfill of N priority -10 rows (one INSERT ... SELECT), starts the
 drain, and once it is busy publishing the backlog, commits one priority 10 job
 at a time and measures the time from its COMMIT to the moment the drain
 publishes its message, and to the moment its row is gone (confirmed by the
-broker and deleted, which the drain does one cycle later: see drain.pipeline).
+broker and deleted, which the drain does one cycle later: see drain.daemon.pipeline).
 Prints each sample, the median
 and maximum, and what the same job would wait in a first-in-first-out drain
 (the backlog ahead of it divided by the measured rate). Never run by the tests,
@@ -31,9 +31,10 @@ from typing import Any
 
 import psycopg
 
-from drain import message
-from drain.config import Settings
-from drain.runner import Drain
+from drain.celery import message
+from drain.daemon.runner import Drain
+from drain.postgres.rows import StagedRow
+from drain.settings.config import Settings
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_common import (
@@ -88,7 +89,7 @@ def main() -> int:
             published_at: dict[int, float] = {}
             build = runner.pipeline.builder.build
 
-            def watching_build(row: message.StagedRow, now: float | None = None,
+            def watching_build(row: StagedRow, now: float | None = None,
                                destination: message.Destination | None = None) -> Any:
                 if row.priority > 0:
                     published_at.setdefault(row.id, time.perf_counter())

@@ -8,14 +8,14 @@ concurrent writers, with a drain running and publishing, reach >= 0.95 x the
 throughput of the same workload on the same table with no trigger at all, and
 throughput rises (or holds) from 8 to 64 writers.
 
-Set-up: a fresh database migrated with ``drain.store.migrate``, a fresh queue,
+Set-up: a fresh database migrated with ``drain.postgres.store.migrate``, a fresh queue,
 and ``drain run`` as a separate process, publishing throughout. The writers
 are ``pgbench`` (a C client, so the clients do not take the CPU the server
 needs), ``-M prepared``, each transaction one ``INSERT INTO staged_jobs``
 committed on its own, with ``fsync`` and ``synchronous_commit`` on. Three
 table variants, in alternating rounds of ``--seconds`` each:
 
-* ``shipped``: staging_schema.sql as it is (the wake flag, drain/wakeup.py);
+* ``shipped``: staging_schema.sql as it is (the wake flag, drain/postgres/wakeup.py);
 * ``notify``: the trigger before the handshake, one NOTIFY per staging statement;
 * ``none``: every trigger of staged_jobs disabled (``DISABLE TRIGGER USER``).
 

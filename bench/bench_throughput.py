@@ -86,9 +86,12 @@ from throughput_apps import (
 )
 from throughput_profile import print_profile, profile_drain
 
-from drain import config, message
-from drain.amqp import EncodedProperties
-from drain.urls import broker_parameters
+from drain.broker.amqp import EncodedProperties
+from drain.broker.outgoing import Message
+from drain.celery import message
+from drain.postgres.rows import StagedRow
+from drain.settings import config
+from drain.settings.urls import broker_parameters
 
 WINDOW = 1000
 #: The goal: a backlog this large, drained at these multiples of raw pika and Celery.
@@ -96,7 +99,7 @@ GOAL_X_CELERY = 8.0
 RAW = "raw pika, pipelined confirms (window 1000)"
 ENCODED = "raw pika, pre-encoded properties (as the drain)"
 CELERY = "celery send_task, confirm_publish=True"
-def raw_pika(messages: list[message.Message], *, pre_encoded: bool = False,
+def raw_pika(messages: list[Message], *, pre_encoded: bool = False,
              window: int = WINDOW, routed_to: str = "") -> float:
     """Publish with a sliding window of ``window`` unconfirmed messages; returns seconds.
     ``routed_to``: through that direct exchange to its queue (:func:`declare_routed`),
@@ -152,7 +155,7 @@ def raw_pika(messages: list[message.Message], *, pre_encoded: bool = False,
     return float(state["t1"] - state["t0"])
 
 
-def routed_round(messages: list[message.Message], queue: str,
+def routed_round(messages: list[Message], queue: str,
                  encoded_times: dict[int, list[float]]) -> float:
     """Raw pika through a direct exchange to ``queue``, pre-encoded, at the window
     that was best in this round; its seconds."""
@@ -312,7 +315,7 @@ def main() -> int:
             conn.execute("DELETE FROM staged_jobs")
         origin = message.origin()
         messages = [
-            message.build(message.StagedRow(*r), origin=origin, reply_to=str(uuid.uuid4()))
+            message.build(StagedRow(*r), origin=origin, reply_to=str(uuid.uuid4()))
             for r in rows
         ]
         del rows

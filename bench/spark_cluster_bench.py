@@ -11,7 +11,7 @@ prints the figures. This module gives it:
   ``spark-submit``;
 * :func:`kill_run`: a backfill during which worker 0's executor JVM is killed (kill -9)
   once about half of its partitions committed, against the same backfill undisturbed;
-* :func:`reconcile_run`: ``drain reconcile --stage`` (drain.spark.cli.main, in this
+* :func:`reconcile_run`: ``drain reconcile --stage`` (drain.cli.spark.main, in this
   process, on the active session) of a table against a downstream copy that misses
   1 % of the ids and holds an older version of another 1 %.
 
@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from drain import store
-from drain.spark import backfill, cli, mapping, session
+from drain.cli import spark as cli
+from drain.postgres import store
+from drain.spark import backfill, mapping, session
 from tests.spark_cluster import standalone
 
 if TYPE_CHECKING:

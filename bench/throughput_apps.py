@@ -10,8 +10,8 @@ from typing import Any
 import cpu
 from bench_common import BROKER_URL, declare_queue, delete_queue, queue_depth, stage
 
-from drain.config import Settings
-from drain.runner import Drain
+from drain.daemon.runner import Drain
+from drain.settings.config import Settings
 
 GOAL_JOBS = 200_000
 GOAL_X_RAW = 0.9

@@ -34,7 +34,7 @@ IMPORTS = "(start-up: imports)"
 
 @dataclasses.dataclass(frozen=True)
 class Frame:
-    name: str  # "Store.fetch (drain/store.py)": the function, without the line
+    name: str  # "Store.fetch (drain/postgres/store.py)": the function, without the line
     file: str
 
     @property
@@ -70,11 +70,12 @@ def _activity(frames: list[Frame], deepest_drain: Frame | None) -> str:
     if POSTGRES_WAIT.match(leaf):
         return "idle: waiting on Postgres (fetch, delete, commit)"
     where = deepest_drain.file if deepest_drain else ""
-    if where.endswith(("drain/message.py", "drain/amqp.py")):
-        return "CPU: building and encoding messages (drain.message, drain.amqp)"
-    if where.endswith(("drain/store.py", "drain/keyset.py")):
+    if where.endswith(("drain/celery/message.py", "drain/broker/amqp.py")):
+        return "CPU: building and encoding messages (drain.celery.message, drain.broker.amqp)"
+    if where.endswith(("drain/postgres/store.py", "drain/postgres/keyset.py")):
         return "CPU: Postgres client (psycopg: send queries, adapt ids, parse rows)"
-    if where.endswith(("drain/publisher.py", "drain/queue_declare.py", "drain/amqp_link.py")):
+    if where.endswith(("drain/broker/publisher.py", "drain/broker/queue_declare.py",
+                       "drain/broker/amqp_link.py")):
         return "CPU: pika (marshal frames, socket writes, read confirms)"
     return "CPU: the drain loop (runner, other)"
 

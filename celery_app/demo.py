@@ -55,7 +55,7 @@ from celery_app.demo_setup import (
     refuse_unless_ours,
     reset_queue,
 )
-from drain import config
+from drain.settings import config
 
 #: Seconds for the worker and the drain to start, then for the jobs to run.
 START_TIMEOUT = 30.0

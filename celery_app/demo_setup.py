@@ -35,7 +35,7 @@ import pika
 import psycopg
 from psycopg import conninfo, sql
 
-from drain import config, urls
+from drain.settings import config, urls
 
 #: Every variable the demo reads (the docs may name these and no other DRAIN_DEMO_*).
 SETTINGS = ("DRAIN_DEMO_ADMIN_URL", "DRAIN_DEMO_DATABASE", "DRAIN_DEMO_BROKER_URL",

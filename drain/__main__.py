@@ -2,6 +2,6 @@
 
 import sys
 
-from drain.cli import main
+from drain.cli.main import main
 
 sys.exit(main())

@@ -84,13 +84,13 @@ class LaneConflict(DrainError):
 
 class ReadOnlyStandby(DrainError):
     """The database is a hot standby (in recovery): the drain waits, connected,
-    until it is promoted (drain.failover)."""
+    until it is promoted (drain.postgres.failover)."""
 
 
 class PoolWithoutSession(ConfigError):
     """The drain's database URL leads through a pool that does not keep a session
     (PgBouncer in transaction or statement mode): its advisory lock, LISTEN and
-    batches would not stay on one backend. Fatal, never retried (drain.session_probe)."""
+    batches would not stay on one backend. Fatal, never retried (drain.postgres.session_probe)."""
 
 
 class BatchConflict(DrainError):
@@ -102,3 +102,7 @@ class FixtureError(DrainError):
     """drain's pytest fixtures (drain.testing) cannot do what a test asked: no test
     database given, jobs not committed where a drain must see them, a broker that
     does not answer, a task the Celery app does not know."""
+
+
+class UsageError(DrainError):
+    """A command cannot go ahead as asked (the ``drain`` command's exit code 2)."""

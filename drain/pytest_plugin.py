@@ -66,7 +66,7 @@ def drain_connection(drain_database_url: str | None) -> Iterator[Any]:
         pytest.fail(_NO_DATABASE, pytrace=False)
     import psycopg  # noqa: PLC0415 - only once a test uses the fixture
 
-    from drain.urls import mask_database_url  # noqa: PLC0415
+    from drain.settings.urls import mask_database_url  # noqa: PLC0415
 
     try:
         conn = psycopg.connect(drain_database_url, autocommit=True)

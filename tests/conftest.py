@@ -22,7 +22,7 @@ import psycopg
 import pytest
 
 import drain
-from drain import session, store
+from drain.postgres import session, store
 from tests import broker_alarm as alarm
 from tests import broker_lock, roles, support
 
@@ -91,7 +91,7 @@ def template_db() -> Iterator[str]:
 @pytest.fixture(autouse=True)
 def _census_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """The least-privilege census (tests/roles.py) counts in-process drains and
-    their sessions (drain.session.Session: a Drain's, a Store used directly), and
+    their sessions (drain.postgres.session.Session: a Drain's, a Store used directly), and
     the staging through ``drain.stage`` / ``drain.stage_many`` too."""
     real = session.Session.__init__
 

@@ -21,7 +21,7 @@ from urllib.parse import quote, urlsplit
 
 import pika
 
-from drain.urls import broker_parameters
+from drain.settings.urls import broker_parameters
 from tests import support
 
 CAPTURE = "firehose_capture"

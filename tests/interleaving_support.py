@@ -20,9 +20,9 @@ import pika.exceptions
 import psycopg
 
 import drain
-from drain.config import Settings
-from drain.runner import State
-from drain.urls import broker_parameters
+from drain.daemon.runner import State
+from drain.settings.config import Settings
+from drain.settings.urls import broker_parameters
 from tests import roles, support
 from tests.integration.conftest import Running
 from tests.interleaving_plan import EXPLICIT_IDS, PRIORITIES, TASK, Plan, Row, Txn

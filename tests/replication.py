@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psycopg
 
-from drain import store
+from drain.postgres import store
 from tests import roles, support
 
 #: The server binaries: DRAIN_TEST_PG_BIN, else Debian's for Postgres 15 (the version

@@ -36,9 +36,9 @@ from pathlib import Path
 import psycopg
 
 import drain
-from drain import status as drain_status
-from drain import store
-from drain.config import Settings
+from drain.postgres import status as drain_status
+from drain.postgres import store
+from drain.settings.config import Settings
 from tests import broker_alarm, support
 
 FAULTS = ["kill -9", "sigterm", "cut database", "cut broker", "stall broker", "hang database",

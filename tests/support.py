@@ -31,9 +31,9 @@ import psycopg
 import pytest
 
 import drain
-from drain import sql
-from drain.urls import broker_parameters
-from drain.wakeup import WAKE_CLASS
+from drain.postgres import sql
+from drain.postgres.wakeup import WAKE_CLASS
+from drain.settings.urls import broker_parameters
 from tests import roles
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -587,7 +587,7 @@ def dumps(value: Any) -> str:
 
 @contextlib.contextmanager
 def wake_flag_raised(db_url: str) -> Iterator[psycopg.Connection[Any]]:
-    """Staging notifies as it does while a drain sleeps armed (drain.wakeup): a
+    """Staging notifies as it does while a drain sleeps armed (drain.postgres.wakeup): a
     session of our own holds the sentinel lock and raises the wake flag; both
     are put back on the way out."""
     with psycopg.connect(db_url, autocommit=True) as conn:
@@ -600,7 +600,7 @@ def wake_flag_raised(db_url: str) -> Iterator[psycopg.Connection[Any]]:
 
 
 def sentinel(conn: psycopg.Connection[Any]) -> dict[str, object]:
-    """The sentinel lock's parameters for drain's queries (drain.store)."""
+    """The sentinel lock's parameters for drain's queries (drain.postgres.store)."""
     row = conn.execute(sql.query("schema_present")).fetchone()
     assert row is not None
     return {"class": WAKE_CLASS, "key": row[0]}

@@ -7,7 +7,7 @@ Postgres over JDBC, :mod:`~drain.spark.mapping` turns records into
 staged_jobs rows (in Spark SQL), :mod:`~drain.spark.writer` stages each
 partition with COPY in one transaction recorded in a ledger,
 :mod:`~drain.spark.backfill` and :mod:`~drain.spark.reconcile` put them
-together and :mod:`~drain.spark.cli` is the command line.
+together and :mod:`~drain.cli.spark` is the command line.
 
 Importing this package does not import pyspark; only running a command does.
 """

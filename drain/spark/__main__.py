@@ -6,6 +6,6 @@ drain shipped in ``--py-files`` (see docs/spark.md).
 
 import sys
 
-from drain.spark.cli import main
+from drain.cli.spark import main
 
 sys.exit(main())

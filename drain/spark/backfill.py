@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 
 from drain.errors import ConfigError, DrainError
+from drain.settings.url_parts import first_line
 from drain.spark import ledger, progress, rejects, writer
 from drain.spark import mapping as mapping_
-from drain.url_parts import first_line
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

@@ -6,7 +6,7 @@
   imports it (a source checkout or an installed wheel). Spark puts a
   ``--py-files`` zip first on the executors' Python path, so they run the
   driver's very drain, whatever else the nodes have installed.
-* ``drain_submit.py``: the application file (``drain.spark.cli.main``).
+* ``drain_submit.py``: the application file (``drain.cli.spark.main``).
 
 drain's dependencies (psycopg, pika, celery, tenacity, pyarrow, pandas) are
 not in the zip: they come from the interpreter the nodes run
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import drain
 
-SUBMIT_SCRIPT = "from drain.spark.cli import main\n\nraise SystemExit(main())\n"
+SUBMIT_SCRIPT = "from drain.cli.spark import main\n\nraise SystemExit(main())\n"
 
 
 def write(directory: Path) -> tuple[Path, Path]:

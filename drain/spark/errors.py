@@ -25,8 +25,13 @@ import re
 import traceback
 from collections.abc import Iterator
 
-from drain import cli_common
-from drain.errors import ConfigError, DatabaseUnavailable, DrainError, PartitioningChanged
+from drain.errors import (
+    ConfigError,
+    DatabaseUnavailable,
+    DrainError,
+    PartitioningChanged,
+    UsageError,
+)
 from drain.spark import writer
 
 _PY_ERROR = re.compile(
@@ -130,20 +135,20 @@ def describe(exc: BaseException) -> DrainError | None:
         message = psql.group(1).strip()
         if _UNREACHABLE.search(message):
             return DatabaseUnavailable(f"database unavailable to Spark: {message}")
-        return cli_common.UsageError(f"Postgres refused a Spark read: {message}")
+        return UsageError(f"Postgres refused a Spark read: {message}")
     raised = re.search(r"\[USER_RAISED_EXCEPTION\] (.+?)(?: SQLSTATE: \w+|$)", text, re.MULTILINE)
     if raised:  # raise_error() in drain's own expressions: a NULL key, args...
-        return cli_common.UsageError(raised.group(1).strip())
+        return UsageError(raised.group(1).strip())
     cast = _CAST_INVALID.search(text)
     if cast:  # Spark's advice (try_cast) is for SQL its user writes, not for drain's
         value, source_type, target_type = cast.groups()
-        return cli_common.UsageError(
+        return UsageError(
             f"Spark cannot read the value {value} ({source_type.lower()}) as "
             f"{target_type.lower()}: correct it in the data, or convert the column yourself "
             "(a query: source; try_cast in --where or an -expr flag)"
         )
     if type(exc).__name__ in ("AnalysisException", "ParseException"):
-        return cli_common.UsageError(f"Spark: {_first_line(text)}")
+        return UsageError(f"Spark: {_first_line(text)}")
     found = [m for m in _PY_ERROR.finditer(text) if not m.group(1).startswith("Py4J")]
     for match in reversed(found):
         name, message = match.group(1), match.group(2).strip()

@@ -32,9 +32,9 @@ from typing import Any
 import psycopg
 
 from drain.errors import ConfigError, DatabaseUnavailable, PartitioningChanged, SchemaMissing
+from drain.settings.url_parts import first_line
+from drain.settings.urls import mask_database_url
 from drain.spark import task
-from drain.url_parts import first_line
-from drain.urls import mask_database_url
 
 LEDGER = "drain_backfill_ledger"
 BACKFILLS = "drain_backfills"

@@ -22,9 +22,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from drain.cli_common import UsageError
-from drain.errors import DrainError
-from drain.url_parts import first_line
+from drain.errors import DrainError, UsageError
+from drain.settings.url_parts import first_line
 
 
 def check_writable(path: str | None, flag: str) -> None:

@@ -40,10 +40,10 @@ from psycopg import conninfo
 from psycopg import sql as psql
 
 from drain.errors import ConfigError, DatabaseUnavailable
+from drain.settings.url_parts import first_line
+from drain.settings.urls import mask_database_url, scrub
 from drain.spark.mapping import MALFORMED
 from drain.spark.session import JDBC_DRIVER
-from drain.url_parts import first_line
-from drain.urls import mask_database_url, scrub
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession

@@ -48,9 +48,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import psycopg
 
 from drain.errors import DrainError, StagingError
+from drain.settings.url_parts import first_line
 from drain.spark import ledger, task
 from drain.spark.mapping import COPY_COLUMNS, partition_of
-from drain.url_parts import first_line
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame

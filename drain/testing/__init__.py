@@ -49,7 +49,7 @@ class DrainJobs:
         the app's broker with ``app``, else ``amqp://guest:guest@127.0.0.1:5672//``.
         ``app``: the Celery app as ``drain run --app`` takes it (``"proj.celery:app"``),
         to route, declare and encode as its ``apply_async`` would. Any other
-        :class:`drain.config.Settings` field may be given (``queue_max_priority``,
+        :class:`drain.settings.config.Settings` field may be given (``queue_max_priority``,
         ``lock_key``...). Jobs not committed yet are refused (FixtureError).
         """
         if not isinstance(app, str):

@@ -23,8 +23,10 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from drain import consumer_sql, encoding, sql, staging_values
+from drain import consumer_sql, staging_values
+from drain.celery import encoding
 from drain.errors import FixtureError, StagingError
+from drain.postgres import sql
 
 #: The options :meth:`StagedJobs.assert_staged` and :meth:`StagedJobs.find` compare,
 #: named as :func:`drain.stage` takes them (``eta`` is also where ``countdown`` lands).
@@ -114,7 +116,7 @@ def read(conn: Any) -> list[StagedJob]:
         if _sqlstate(exc) == _UNDEFINED_TABLE:
             raise FixtureError(
                 "the test database has no staged_jobs table: apply drain's schema to it "
-                "(`drain migrate --database-url ...`, or drain.store.migrate(conn) in a "
+                "(`drain migrate --database-url ...`, or drain.postgres.store.migrate(conn) in a "
                 "session fixture, or a migration of your own running it)") from exc
         raise
     return [StagedJob.of_row(row) for row in rows]

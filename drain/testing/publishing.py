@@ -1,6 +1,6 @@
 """``drain_jobs.publish()``: the real drain, inside the test, until nothing due is left.
 
-It is ``drain run --exit-when-empty`` in-process: a :class:`drain.runner.Drain`
+It is ``drain run --exit-when-empty`` in-process: a :class:`drain.daemon.runner.Drain`
 with the settings given, on the test database, running in a thread while the
 test waits. The drain opens its own sessions, so it publishes what is
 committed, and nothing else: a job staged in a transaction still open (a
@@ -27,12 +27,12 @@ from typing import Any
 
 import psycopg
 
-from drain import sql
-from drain.config import Settings
+from drain.daemon.runner import Drain, State
 from drain.errors import FixtureError
-from drain.runner import Drain, State
+from drain.postgres import sql
+from drain.settings.config import Settings
+from drain.settings.urls import mask_database_url, scrub, secrets_of
 from drain.testing import jobs
-from drain.urls import mask_database_url, scrub, secrets_of
 
 #: Seconds between two looks at the drain's state while the test waits for it.
 LOOK = 0.02
@@ -62,7 +62,7 @@ class Published:
 
 
 def publish(connection: Any, database_url: str, **settings: Any) -> Published:
-    """Run a drain with ``settings`` (:class:`drain.config.Settings` fields) on
+    """Run a drain with ``settings`` (:class:`drain.settings.config.Settings` fields) on
     ``database_url`` until nothing due is left; ``connection`` is the test's own,
     whose uncommitted jobs are refused."""
     config = Settings(database_url=database_url, **settings)

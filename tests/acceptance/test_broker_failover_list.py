@@ -25,7 +25,7 @@ from typing import Any
 import psycopg
 
 import drain
-from drain.urls import mask_url
+from drain.settings.urls import mask_url
 from tests import support
 
 SECOND = support.BROKER_URL

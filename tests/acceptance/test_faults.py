@@ -763,8 +763,8 @@ def test_passwords_never_reach_the_logs_even_verbose(
 
 
 def test_postgres_losses_do_not_leak_in_flight_batches(db_url: str, queue: str) -> None:
-    from drain.config import Settings
-    from drain.runner import Drain
+    from drain.daemon.runner import Drain
+    from drain.settings.config import Settings
 
     staged = support.stage_backlog(db_url, queue, 20_000)
     proxy = support.TcpProxy(5432).start()

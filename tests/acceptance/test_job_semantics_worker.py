@@ -9,9 +9,9 @@ from typing import Any
 import psycopg
 
 import drain
-from drain import message
-from drain.amqp import EncodedProperties
-from drain.message import StagedRow
+from drain.broker.amqp import EncodedProperties
+from drain.celery import message
+from drain.postgres.rows import StagedRow
 from tests import support
 
 

@@ -1,7 +1,7 @@
 """Postgres down for 1, 5 and 30 seconds: the drain resumes as soon as it listens again.
 
 Between its reconnect attempts (exponential backoff up to 10 s) the drain
-knocks on the database's port every 0.1 s (drain.reachable); the first knock
+knocks on the database's port every 0.1 s (drain.broker.reachable); the first knock
 accepted after a refused one ends the wait. Postgres is taken away by a real
 TCP proxy in front of it that stops listening (connection refused, as for a
 server that is down) and listens again.

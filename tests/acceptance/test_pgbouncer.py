@@ -18,8 +18,8 @@ import pytest
 from psycopg import conninfo
 
 import drain
-from drain import session_probe, sql
 from drain.errors import DatabaseUnavailable, PoolWithoutSession
+from drain.postgres import session_probe, sql
 from tests import roles, support
 from tests.pgbouncer import PgBouncer
 
@@ -61,7 +61,7 @@ class Arrivals:
 
 
 def _armed(db_url: str) -> bool:
-    """The drain sleeps armed (drain.wakeup): only a NOTIFY wakes it before POLL."""
+    """The drain sleeps armed (drain.postgres.wakeup): only a NOTIFY wakes it before POLL."""
     with psycopg.connect(db_url, autocommit=True) as conn:
         row = conn.execute(sql.query("wake_flag")).fetchone()
     return bool(row and row[0])
@@ -186,7 +186,7 @@ def test_drain_refuses_a_pool_that_does_not_keep_sessions(
     assert _advisory_locks(db_url) == 0
 
 
-# -- the probe itself (drain.session_probe) ------------------------------------------------
+# -- the probe itself (drain.postgres.session_probe) -----------------------------------------------
 
 
 def _probe(url: str) -> int:

@@ -1,4 +1,4 @@
-"""A publish the broker refuses costs that message, never its batch (drain.refusal).
+"""A publish the broker refuses costs that message, never its batch (drain.broker.refusal).
 
 ``drain run --app tests.refused_app``: one task is routed through an exchange
 that nobody declares, so the broker answers its publish with ``404 NOT_FOUND -

@@ -29,7 +29,7 @@ import psycopg
 import pytest
 
 import drain
-from drain import config
+from drain.settings import config
 from tests import support
 
 ARTIFACTS = support.ROOT / "test-artifacts"

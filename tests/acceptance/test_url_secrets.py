@@ -28,8 +28,8 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from drain import config, url_parts, urls
 from drain.errors import ConfigError
+from drain.settings import config, url_parts, urls
 from tests import support
 
 #: Subprocesses at once (the runner has few cores).

@@ -2,7 +2,7 @@
 
 Nothing here is a copy of a setting: the environment variables come from the
 parser of ``drain run`` (the ``env DRAIN_...`` its help names, each confirmed
-by setting it and parsing), the metric names from :class:`drain.metrics.Metrics`.
+by setting it and parsing), the metric names from :class:`drain.daemon.metrics.Metrics`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from unittest import mock
 import yaml
 
 from celery_app import demo_setup
-from drain import cli, options
+from drain.cli import main as cli
+from drain.settings import options
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -86,7 +87,7 @@ def all_env_names() -> set[str]:
 
 def parsed_with_env(command: str, env: Mapping[str, str]) -> argparse.Namespace:
     """``drain COMMAND`` parsed with no flags, only the environment ``env``, as
-    ``drain.cli.main`` does it (numeric variables are read after parsing)."""
+    ``drain.cli.main.main`` does it (numeric variables are read after parsing)."""
     with _only_env(env):
         args = cli.build_parser().parse_args([command])
         options.apply_env(args)

@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 from celery import Celery
 
-from drain import pipeline
+from drain.daemon import pipeline
 from tests.deploy import common
 
 LOOPBACK = "127.0.0.1"

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from prometheus_client import Counter, Gauge, Histogram
 
-from drain.metrics import Metrics
+from drain.daemon.metrics import Metrics
 from tests.deploy import common
 
 # PromQL's own words: aggregations, functions, keywords (what may stand in an

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from drain import pipeline
+from drain.daemon import pipeline
 from tests.deploy import common
 
 EXPECTED = {

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from drain import cli_common, options, pipeline
+from drain.cli import common as cli_common
+from drain.daemon import pipeline
+from drain.settings import options
 from tests.deploy import common
 
 UNITS = ("drain.service", "drain@.service")

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from drain.config import Settings
-from drain.runner import Drain, State
+from drain.daemon.runner import Drain, State
+from drain.settings.config import Settings
 from tests import roles, support
 
 

@@ -14,7 +14,7 @@ Postgres: ``stall(replies_only=True)`` holds the answers back while the
 drain's own close still goes through (PgBouncer then sees a clean client go
 and pools its server connection); a full stall keeps the backend frozen.
 
-Also here: through PgBouncer, the drain's own announcements (drain.wakeup,
+Also here: through PgBouncer, the drain's own announcements (drain.postgres.wakeup,
 lanes) must not wake it: the pid psycopg reports is PgBouncer's, not the
 server's.
 """
@@ -28,9 +28,9 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from drain.config import Settings
 from drain.errors import DatabaseUnavailable
-from drain.store import Store
+from drain.postgres.store import Store
+from drain.settings.config import Settings
 from tests import pgbouncer, roles, support
 
 
@@ -204,7 +204,7 @@ def test_a_frozen_backend_holding_the_lock_is_ended_and_the_drain_leads_again(
 def test_own_announcements_do_not_wake_the_drain_through_pgbouncer(
     db_url: str, bouncer: pgbouncer.PgBouncer,
 ) -> None:
-    """A lane drain announces when it arms and disarms (drain.wakeup); only the
+    """A lane drain announces when it arms and disarms (drain.postgres.wakeup); only the
     others' notifications may wake it."""
     store = _store(bouncer.url(db_url), lanes=2, lane=0)
     try:

@@ -15,8 +15,8 @@ import psycopg
 import pytest
 
 import drain
-from drain import publisher
-from drain.runner import State
+from drain.broker import publisher
+from drain.daemon.runner import State
 from tests import support
 
 

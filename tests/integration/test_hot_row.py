@@ -1,4 +1,4 @@
-"""One hot row must not make every batch republish (drain.conflicts; issue 24, item 5).
+"""One hot row must not make every batch republish (drain.postgres.conflicts; issue 24, item 5).
 
 A staged row updated every 2 ms for about 10 s (pgbench, Postgres' C client)
 conflicts with the DELETE of every batch that holds it. Meanwhile 50 unrelated
@@ -27,7 +27,7 @@ import psycopg
 import pytest
 
 import drain
-from drain.urls import broker_parameters
+from drain.settings.urls import broker_parameters
 from tests import support
 from tests.integration.conftest import Running
 

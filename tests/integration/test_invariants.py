@@ -21,9 +21,11 @@ import psycopg
 import pytest
 
 import drain
-from drain import message, pipeline, runner
-from drain.publisher import Publisher
-from drain.urls import broker_parameters
+from drain.broker.publisher import Publisher
+from drain.celery import message
+from drain.daemon import pipeline, runner
+from drain.postgres.rows import StagedRow
+from drain.settings.urls import broker_parameters
 from tests import support
 from tests.integration.conftest import Running
 
@@ -35,8 +37,8 @@ def other_queue() -> Iterator[str]:
     support.delete_queue(name)
 
 
-def _row(row_id: int, task_id: uuid.UUID, queue: str) -> message.StagedRow:
-    return message.StagedRow(row_id, task_id, "t.invariant", f"[{row_id}]", "{}", queue)
+def _row(row_id: int, task_id: uuid.UUID, queue: str) -> StagedRow:
+    return StagedRow(row_id, task_id, "t.invariant", f"[{row_id}]", "{}", queue)
 
 
 # -- 1. a return belongs to one publish, not to a task id ---------------------------
@@ -261,7 +263,7 @@ def test_a_row_updated_under_the_batch_costs_that_row_only(
 ) -> None:
     """A row updated after the batch read it is left staged and published again as
     it is now; the rest of the batch is deleted, committed, and the lock kept
-    (drain.conflicts; issue 24, item 5). Committed after the batch's snapshot, the
+    (drain.postgres.conflicts; issue 24, item 5). Committed after the batch's snapshot, the
     row's DELETE is a serialization failure, undone alone in a savepoint; still
     open, the row is locked and skipped without waiting for the writer."""
     caplog.set_level(logging.INFO, logger="drain")

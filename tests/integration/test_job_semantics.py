@@ -23,8 +23,11 @@ import pytest
 from celery import Celery
 
 import drain
-from drain import config, keyset, message, sql
-from drain.store import Store, fetch_params
+from drain.celery import message
+from drain.postgres import keyset, sql
+from drain.postgres.rows import StagedRow
+from drain.postgres.store import Store, fetch_params
+from drain.settings import config
 from tests import support
 
 UTC = dt.timezone.utc
@@ -492,7 +495,7 @@ def test_a_mass_expiry_is_moved_before_any_fetch_has_to_skip_it(
     def counting_fetch(
         self: Store, limit: int, exclude: list[int] | None = None,
         paused: list[str] | None = None, plan: keyset.FetchPlan | None = None,
-    ) -> list[message.StagedRow]:
+    ) -> list[StagedRow]:
         row = self._require().execute(
             "SELECT count(*) FROM staged_jobs WHERE expires_at <= now() "
             "AND id <> ALL(%s::bigint[])", (exclude or [],)
@@ -529,7 +532,7 @@ def test_the_broker_drops_a_published_message_once_it_expires(
 
 
 def _body_size(args: list[Any]) -> int:
-    row = message.StagedRow(id=1, task_id=uuid.uuid4(), task_name="t.big",
+    row = StagedRow(id=1, task_id=uuid.uuid4(), task_name="t.big",
                             args_json=json.dumps(args), kwargs_json="{}", queue="q")
     return len(message.build(row, origin="o", reply_to="r").body)
 
@@ -592,7 +595,7 @@ def test_tags_travel_in_the_drain_tag_header(
 def test_bulk_staging_from_sql_publishes_every_row_with_one_notify_per_statement(
     db_url: str, queue: str, start_active_drain: Any
 ) -> None:
-    # As while a drain sleeps armed (drain.wakeup): otherwise staging sends none.
+    # As while a drain sleeps armed (drain.postgres.wakeup): otherwise staging sends none.
     with support.wake_flag_raised(db_url) as listener, psycopg.connect(db_url) as conn:
         listener.execute("LISTEN drain_staged_jobs")
         by_function = {

@@ -1,4 +1,4 @@
-"""The keyset fetch (drain.keyset) against a real Postgres: late commits and dead rows.
+"""The keyset fetch (drain.postgres.keyset) against a real Postgres: late commits and dead rows.
 
 Ids are allocated at INSERT and committed whenever the application commits, so
 a row can appear below ids the drain has already published. These tests hold
@@ -13,8 +13,8 @@ from typing import Any
 import psycopg
 
 import drain
-from drain import keyset, sql
-from drain.store import fetch_params
+from drain.postgres import keyset, sql
+from drain.postgres.store import fetch_params
 from tests import support
 from tests.integration.conftest import Running
 

@@ -17,7 +17,7 @@ import psycopg
 import pytest
 
 import drain
-from drain.keyset import ID_MIN, START
+from drain.postgres.keyset import ID_MIN, START
 from tests import support
 from tests.integration.conftest import Running
 

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import psycopg
 
-from drain import status as drain_status
-from drain.runner import State
+from drain.daemon.runner import State
+from drain.postgres import status as drain_status
 from tests import support
 from tests.integration.conftest import Running
 

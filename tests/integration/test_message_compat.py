@@ -21,8 +21,8 @@ from celery import Celery
 from kombu.utils.json import dumps as kombu_dumps
 
 import drain
-from drain.config import Settings
-from drain.runner import Drain
+from drain.daemon.runner import Drain
+from drain.settings.config import Settings
 from tests import encoding_app, roles, support
 
 ARGS = [1, "a", {"nested": [1, 2.5, None]}, "it's \"quoted\"\n", "é☃", 2**40]

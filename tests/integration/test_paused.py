@@ -1,4 +1,4 @@
-"""A paused queue's rows do not tax every fetch, and are not forgotten (drain.keyset).
+"""A paused queue's rows do not tax every fetch, and are not forgotten (drain.postgres.keyset).
 
 A queue the broker refuses to declare (here: it exists with other arguments,
 406) is paused while its rows stay staged. The marks skip the paused rows, so
@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 import drain
-from drain import keyset
+from drain.postgres import keyset
 from tests import support
 from tests.integration.conftest import Running
 

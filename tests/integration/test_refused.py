@@ -1,5 +1,5 @@
 """A publish the broker refuses by closing the channel, against the real RabbitMQ
-(drain.refusal): the refused message is found among the unconfirmed ones and
+(drain.broker.refusal): the refused message is found among the unconfirmed ones and
 costs only itself; the connection is kept and its next batches flow.
 
 * 404 on an exchange nobody declares, across two batches in flight;
@@ -24,12 +24,14 @@ import psycopg
 import pytest
 
 import drain
-from drain import message
-from drain.config import Settings
-from drain.message import Destination, Message
-from drain.publisher import Publisher, PublishResult
-from drain.queue_declare import BindingSpec, ExchangeSpec, QueueSpec
-from drain.urls import broker_parameters
+from drain.broker.outgoing import Message
+from drain.broker.publisher import Publisher, PublishResult
+from drain.broker.queue_declare import BindingSpec, ExchangeSpec, QueueSpec
+from drain.celery import message
+from drain.celery.message import Destination
+from drain.postgres.rows import StagedRow
+from drain.settings.config import Settings
+from drain.settings.urls import broker_parameters
 from tests import roles, support
 from tests.integration.conftest import Running
 
@@ -53,7 +55,7 @@ def exchange() -> Iterator[str]:
 
 def _message(row_id: int, queue: str, exchange: str = "", size: int = 0) -> Message:
     args = f'["{"x" * size}"]' if size else f"[{row_id}]"
-    row = message.StagedRow(row_id, uuid.uuid4(), "t.refused", args, "{}", queue)
+    row = StagedRow(row_id, uuid.uuid4(), "t.refused", args, "{}", queue)
     where = Destination(exchange=exchange, routing_key=queue, queue=queue) if exchange else None
     return BUILDER.build(row, destination=where)
 

@@ -19,7 +19,7 @@ import pytest
 
 import drain
 from drain import errors
-from drain.runner import State
+from drain.daemon.runner import State
 from tests import roles, support
 
 PERMISSION_DENIED = 5

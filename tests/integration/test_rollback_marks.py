@@ -1,5 +1,5 @@
 """A batch that rolls back must not leave the low-water marks past rows it removed
-(drain.keyset, "Only what committed moves a mark"; issue 24, item 4).
+(drain.postgres.keyset, "Only what committed moves a mark"; issue 24, item 4).
 
 A batch moves expired rows to dead_jobs, then looks at the heads in the same
 transaction, which no longer sees them. If that transaction rolls back, the
@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 import drain
-from drain import pipeline
+from drain.daemon import pipeline
 from tests import support
 from tests.integration.conftest import Running
 

@@ -5,7 +5,7 @@
   they were, on a migrated database and on an empty one alike.
 * The CHECK constraints refuse, in the inserting transaction, rows that could
   never become a Celery message, and a plain SQL INSERT gets the defaults.
-* While a drain is idle (it raised the wake flag, drain/wakeup.py), the NOTIFY
+* While a drain is idle (it raised the wake flag, drain/postgres/wakeup.py), the NOTIFY
   trigger sends one notification per committed INSERT or COPY statement,
   nothing before the commit and nothing for a rollback (without an idle drain
   it sends none: tests/integration/test_wakeup.py).
@@ -31,11 +31,11 @@ import psycopg.types.json
 import pytest
 
 import drain
-from drain import dead, sql, store
-from drain.config import Settings
 from drain.errors import SchemaMissing
-from drain.message import StagedRow
-from drain.store import fetch_params, migrate
+from drain.postgres import dead, sql, store
+from drain.postgres.rows import StagedRow
+from drain.postgres.store import fetch_params, migrate
+from drain.settings.config import Settings
 from tests import roles, support
 
 CHANNEL = "drain_staged_jobs"
@@ -380,7 +380,7 @@ def test_grants(db_url: str) -> None:
             "details": ["x"]})
         assert cur.rowcount == 1
         assert runner.execute("DELETE FROM staged_jobs").rowcount == 5
-        # The wake-up handshake (drain.wakeup).
+        # The wake-up handshake (drain.postgres.wakeup).
         for name in ("raise_flag", "silent_writers", "wake_flag", "lower_flag"):
             runner.execute(sql.query(name))
         # `drain status` and the metrics read dead_jobs, but cannot change it.

@@ -7,9 +7,9 @@ from typing import Any
 
 import psycopg
 
-from drain import sql
-from drain.config import Settings
-from drain.store import Store, fetch_params
+from drain.postgres import sql
+from drain.postgres.store import Store, fetch_params
+from drain.settings.config import Settings
 from tests import roles
 
 
@@ -87,7 +87,7 @@ def test_a_wait_takes_every_queued_notification_at_once(db_url: str) -> None:
     store = Store(Settings(database_url=roles.url(db_url, roles.RUNNER)))
     store.connect()
     try:
-        assert store.arm(announce=False)  # idle: staging notifies (drain.wakeup)
+        assert store.arm(announce=False)  # idle: staging notifies (drain.postgres.wakeup)
         with psycopg.connect(db_url, autocommit=True) as app:
             for i in range(100):
                 app.execute("INSERT INTO staged_jobs (task_name, args) VALUES ('t', %s)",
@@ -105,7 +105,7 @@ def test_a_batch_forgets_the_notifications_of_rows_it_can_already_see(db_url: st
     store = Store(Settings(database_url=roles.url(db_url, roles.RUNNER)))
     store.connect()
     try:
-        assert store.arm(announce=False)  # idle: staging notifies (drain.wakeup)
+        assert store.arm(announce=False)  # idle: staging notifies (drain.postgres.wakeup)
         with psycopg.connect(db_url, autocommit=True) as app:
             for _ in range(20):
                 app.execute("INSERT INTO staged_jobs (task_name) VALUES ('t')")

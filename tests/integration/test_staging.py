@@ -28,8 +28,8 @@ from kombu.utils.json import loads
 from sqlalchemy.orm import Session
 
 import drain
-from drain import sql
 from drain.limits import MAX_EXPIRATION_MS
+from drain.postgres import sql
 from tests import roles, support
 
 

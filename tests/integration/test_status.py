@@ -1,4 +1,4 @@
-"""drain.status.read(): exact below the threshold, estimated above, and cheap at any size."""
+"""drain.postgres.status.read(): exact below the threshold, estimated above, cheap at any size."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import psycopg
 
 import drain
-from drain import sql
-from drain import status as drain_status
+from drain.postgres import sql
+from drain.postgres import status as drain_status
 from tests import support
 
 

@@ -1,4 +1,4 @@
-"""The delayed and expiring marks (drain.keyset, "Delayed and expiring rows")
+"""The delayed and expiring marks (drain.postgres.keyset, "Delayed and expiring rows")
 against a real Postgres: dead entries skipped, late rows still found."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 import psycopg
 
 import drain
-from drain import keyset, sql
-from drain.store import fetch_params
+from drain.postgres import keyset, sql
+from drain.postgres.store import fetch_params
 from tests import support
 from tests.integration.conftest import Running
 

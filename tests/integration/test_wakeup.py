@@ -1,4 +1,4 @@
-"""The idle handshake (drain/wakeup.py) against the real Postgres and RabbitMQ.
+"""The idle handshake (drain/postgres/wakeup.py) against the real Postgres and RabbitMQ.
 
 Staging sends a NOTIFY only while a drain is idle and armed; a drain going
 idle arms only once every silent staging transaction has ended, then looks
@@ -22,11 +22,11 @@ import psycopg
 import pytest
 
 import drain
-from drain import sql
-from drain.config import Settings
-from drain.store import Store, migrate
-from drain.urls import broker_parameters
-from drain.wakeup import ARM_AFTER, WAKE_CLASS
+from drain.postgres import sql
+from drain.postgres.store import Store, migrate
+from drain.postgres.wakeup import ARM_AFTER, WAKE_CLASS
+from drain.settings.config import Settings
+from drain.settings.urls import broker_parameters
 from tests import roles, support
 from tests.integration.conftest import Running
 

@@ -39,7 +39,7 @@ def test_wheel_holds_the_package_data_and_the_command(installed: Installed) -> N
         schema = wheel.read("drain/staging_schema.sql")
         entry_points = wheel.read(f"drain_outbox-{version}.dist-info/entry_points.txt")
     assert schema == (support.ROOT / "staging_schema.sql").read_bytes()
-    assert "drain = drain.cli:main" in entry_points.decode()
+    assert "drain = drain.cli.main:main" in entry_points.decode()
     assert "[pytest11]\ndrain = drain.pytest_plugin" in entry_points.decode()
     assert "drain/spark/backfill.py" in names
     assert not {n for n in names if n.startswith(("tests/", "celery_app/", "bench/"))}

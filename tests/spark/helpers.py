@@ -8,7 +8,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from drain.spark import cli
+from drain.cli import spark as cli
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

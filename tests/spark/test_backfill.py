@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from drain.cli import spark as cli
 from drain.errors import DrainError
-from drain.spark import backfill, cli, ledger, mapping, task, writer
+from drain.spark import backfill, ledger, mapping, task, writer
 from tests import support
 from tests.spark import helpers
 

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from drain import cli as core
-from drain.spark import cli, progress
+from drain.cli import main as core
+from drain.cli import spark as cli
+from drain.spark import progress
 from tests import support
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def test_module_runs_a_dry_run_in_its_own_process(
 def test_commands_join_the_drain_parser() -> None:
     parser = core.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    if "backfill" not in sub.choices:  # until drain/cli.py calls spark_cli.add_parsers
+    if "backfill" not in sub.choices:  # until drain/cli/main.py calls spark_cli.add_parsers
         cli.add_parsers(sub)
     args = parser.parse_args(["-v", "backfill", "--source", "table:annotation", "--task", "t",
                               "--tag", "backfill.t", "--partitions", "3"])

@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 import pytest
 
-from drain import store
+from drain.cli import spark as cli
 from drain.errors import PartitioningChanged, SchemaMissing
-from drain.spark import backfill, cli, ledger, mapping, writer
+from drain.postgres import store
+from drain.spark import backfill, ledger, mapping, writer
 from tests.spark import helpers
 
 if TYPE_CHECKING:

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 import pytest
 
+from drain.cli import spark as cli
 from drain.errors import DrainError, PartitioningChanged
-from drain.spark import backfill, cli, ledger, mapping, writer
+from drain.spark import backfill, ledger, mapping, writer
 from tests import roles, support
 from tests.spark import helpers
 

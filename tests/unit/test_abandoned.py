@@ -1,9 +1,9 @@
-"""drain.abandoned: the drain's lock in pg_locks' terms, and the session token."""
+"""drain.postgres.abandoned: the drain's lock in pg_locks' terms, and the session token."""
 
 from __future__ import annotations
 
-from drain import abandoned
-from drain.config import Settings
+from drain.postgres import abandoned
+from drain.settings.config import Settings
 
 
 def test_a_bigint_lock_key_as_pg_locks_shows_it() -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from drain.metrics import Metrics
+from drain.daemon.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = ROOT / "deploy" / "prometheus"
@@ -212,7 +212,7 @@ def test_alert_uses_only_exposed_metrics(rule: dict[str, Any]) -> None:
 
 
 def test_contract_list_is_what_drain_metrics_exposes() -> None:
-    """The list above against drain.metrics: a renamed metric fails here first."""
+    """The list above against drain.daemon.metrics: a renamed metric fails here first."""
     exposed: set[str] = set()
     for family in Metrics().registry.collect():
         if family.type == "counter":

@@ -11,12 +11,15 @@ from collections.abc import Iterator
 import pytest
 from celery import Celery
 
-from drain import broker_list, celery_app, cli, options, urls
-from drain.amqp_link import AmqpLink
-from drain.broker_options import AppBroker, BrokerOptions
-from drain.cli_common import settings_of
-from drain.config import DEFAULT_BROKER_URL, Settings
+from drain.broker import broker_list
+from drain.broker.amqp_link import AmqpLink
+from drain.broker.broker_options import AppBroker, BrokerOptions
+from drain.celery import celery_app
+from drain.cli import main as cli
+from drain.cli.common import settings_of
 from drain.errors import BrokerRefused, BrokerUnavailable, ConfigError
+from drain.settings import options, urls
+from drain.settings.config import DEFAULT_BROKER_URL, Settings
 from tests import support
 
 A = "amqp://guest:Zq8Kx3Wv@rabbit-a:5672//"

@@ -17,9 +17,9 @@ import pika
 import pika.credentials
 import pytest
 
-from drain import broker_list
-from drain.amqp_link import AmqpLink
-from drain.broker_options import BrokerOptions, heartbeat_for
+from drain.broker import broker_list
+from drain.broker.amqp_link import AmqpLink
+from drain.broker.broker_options import BrokerOptions, heartbeat_for
 from drain.errors import BrokerUnavailable, ConfigError
 
 URL = "amqp://app:Vk2Qx7Wz@rabbit.internal//"

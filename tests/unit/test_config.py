@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from drain import cli
-from drain.config import Settings
-from drain.dead import format_duration, parse_duration
+from drain.cli import main as cli
 from drain.errors import ConfigError
-from drain.urls import (
+from drain.postgres.dead import format_duration, parse_duration
+from drain.settings.config import Settings
+from drain.settings.urls import (
     ScrubbingFormatter,
     broker_parameters,
     database_conninfo,

@@ -1,4 +1,4 @@
-"""Rows that change under the drain (drain.conflicts), without a database."""
+"""Rows that change under the drain (drain.postgres.conflicts), without a database."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from drain import conflicts
-from drain.conflicts import Cooling, isolate
+from drain.postgres import conflicts
+from drain.postgres.conflicts import Cooling, isolate
 
 
 class Conflict(Exception):

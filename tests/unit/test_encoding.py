@@ -1,5 +1,5 @@
 """``--app`` encodes as the app encodes: serializers, compression, repr limits, shadow
-names (drain.encoding, drain.message with a destination of drain.routing).
+names (drain.celery.encoding, drain.celery.message with a destination of drain.celery.routing).
 
 What the worker decodes is checked with kombu's own decoding (``kombu.serialization
 .loads`` after ``kombu.compression.decompress``), as a Celery worker decodes.
@@ -20,8 +20,10 @@ from celery.utils.saferepr import saferepr
 from kombu import compression, serialization
 from kombu.utils.json import dumps as kombu_dumps
 
-from drain import encoding, message, routing
+from drain.broker.outgoing import Message
+from drain.celery import encoding, message, routing
 from drain.errors import ConfigError
+from drain.postgres.rows import StagedRow
 from tests import encoding_app
 
 #: The types kombu's JSON carries, as the staging API stores them (kombu's markers).
@@ -33,7 +35,7 @@ EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
 
 def _row(task: str = "enc.record", args: Any = None, kwargs: Any = None,
-         **overrides: Any) -> message.StagedRow:
+         **overrides: Any) -> StagedRow:
     fields: dict[str, Any] = {
         "id": 1, "task_id": uuid.UUID(int=7), "task_name": task,
         "args_json": kombu_dumps(TYPED_ARGS if args is None else args),
@@ -41,10 +43,10 @@ def _row(task: str = "enc.record", args: Any = None, kwargs: Any = None,
         "queue": "q_enc",
     }
     fields.update(overrides)
-    return message.StagedRow(**fields)
+    return StagedRow(**fields)
 
 
-def _build(app: Celery, row: message.StagedRow) -> message.Message:
+def _build(app: Celery, row: StagedRow) -> Message:
     destination = routing.AppRouter(app, allow_unknown=True).destination(row)
     built = message.Builder(origin="gen1@h", reply_to="r").build(row, destination=destination)
     # the fast properties encoder gives pika's bytes, whatever the encoding
@@ -53,7 +55,7 @@ def _build(app: Celery, row: message.StagedRow) -> message.Message:
     return built
 
 
-def _worker_decodes(built: message.Message) -> Any:
+def _worker_decodes(built: Message) -> Any:
     body = built.body
     if "compression" in built.headers:
         body = compression.decompress(body, built.headers["compression"])

@@ -1,4 +1,4 @@
-"""drain.failover: the libpq options added for multi-host URLs, and one line for
+"""drain.postgres.failover: the libpq options added for multi-host URLs, and one line for
 libpq's connection failures (texts as psycopg 3.3 / libpq 18 print them)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from psycopg import conninfo
 
-from drain import failover
+from drain.postgres import failover
 
 TWO_HOSTS = (
     'connection failed: connection to server at "127.0.0.1", port 5433 failed: session is '

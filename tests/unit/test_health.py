@@ -1,4 +1,4 @@
-"""drain.watchdog.stuck_after: when /healthz and the watchdog call the loop stuck."""
+"""drain.daemon.watchdog.stuck_after: when /healthz and the watchdog call the loop stuck."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from drain.config import Settings
-from drain.watchdog import ANSWER_GRACE, answer_bound, stuck_after
+from drain.daemon.watchdog import ANSWER_GRACE, answer_bound, stuck_after
+from drain.settings.config import Settings
 
 BASE = Settings(database_url="postgresql://drain@127.0.0.1/drain")
 

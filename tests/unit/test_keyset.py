@@ -1,11 +1,11 @@
-"""The low-water marks' bookkeeping (drain.keyset), without a database."""
+"""The low-water marks' bookkeeping (drain.postgres.keyset), without a database."""
 
 from __future__ import annotations
 
 import pytest
 
-from drain import keyset
-from drain.keyset import ID_MIN, PRIORITY_ABOVE_MAX, PRIORITY_BELOW_MIN, START, Marks
+from drain.postgres import keyset
+from drain.postgres.keyset import ID_MIN, PRIORITY_ABOVE_MAX, PRIORITY_BELOW_MIN, START, Marks
 
 
 def test_without_marks_one_open_range_covers_every_priority() -> None:

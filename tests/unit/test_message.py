@@ -12,7 +12,9 @@ import pika
 import pytest
 from celery.utils.saferepr import saferepr
 
-from drain import amqp, encoding, message
+from drain.broker import amqp
+from drain.celery import encoding, message
+from drain.postgres.rows import StagedRow
 
 HEADER_ORDER = [
     "lang", "task", "id", "shadow", "eta", "expires", "group", "group_index", "retries",
@@ -21,7 +23,7 @@ HEADER_ORDER = [
 ]
 
 
-def _row(args: Any = (1, "a"), kwargs: Any = None, **overrides: Any) -> message.StagedRow:
+def _row(args: Any = (1, "a"), kwargs: Any = None, **overrides: Any) -> StagedRow:
     fields: dict[str, Any] = {
         "id": 7,
         "task_id": uuid.UUID("12345678-1234-5678-1234-567812345678"),
@@ -31,7 +33,7 @@ def _row(args: Any = (1, "a"), kwargs: Any = None, **overrides: Any) -> message.
         "queue": "celery",
     }
     fields.update(overrides)
-    return message.StagedRow(**fields)
+    return StagedRow(**fields)
 
 
 def test_protocol_v2_shape() -> None:

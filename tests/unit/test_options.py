@@ -1,6 +1,6 @@
 """Every numeric setting, as a flag or as its DRAIN_* variable: one line, exit 2.
 
-These run ``drain.cli.main`` in-process: a value is refused while the
+These run ``drain.cli.main.main`` in-process: a value is refused while the
 arguments are read, before anything connects.
 """
 
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from drain import cli, config, options
+from drain.cli import main as cli
+from drain.settings import config, options
 
 #: (command, flag, its variable or None, values it must refuse)
 NUMERIC = [

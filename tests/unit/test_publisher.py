@@ -1,11 +1,11 @@
-"""drain.publisher.coalesce: the frames of a batch joined before they are sent."""
+"""drain.broker.publisher.coalesce: the frames of a batch joined before they are sent."""
 
 from __future__ import annotations
 
 import collections
 import types
 
-from drain import publisher
+from drain.broker import publisher
 
 
 def _conn(buffers: list[bytes]) -> types.SimpleNamespace:

@@ -1,4 +1,4 @@
-"""drain.reachable: the addresses a connection string names, and the knock that
+"""drain.broker.reachable: the addresses a connection string names, and the knock that
 ends a reconnect wait (against real sockets on 127.0.0.1)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from drain import reachable
+from drain.broker import reachable
 
 
 def _free_port() -> int:

@@ -1,10 +1,10 @@
-"""What becomes of a message the broker refuses (drain.refusal.verdict)."""
+"""What becomes of a message the broker refuses (drain.broker.refusal.verdict)."""
 
 from __future__ import annotations
 
 import pytest
 
-from drain.refusal import verdict
+from drain.broker.refusal import verdict
 
 
 @pytest.mark.parametrize(("code", "redeclare", "expected"), [

@@ -1,4 +1,4 @@
-"""drain.routing and drain.celery_app against tests/routing_app.py (no broker)."""
+"""drain.celery.routing and drain.celery.celery_app against tests/routing_app.py (no broker)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from celery import Celery
 from kombu.common import Broadcast
 from kombu.entity import Exchange, Queue
 
-from drain import celery_app, routing
+from drain.celery import celery_app, routing
+from drain.celery.message import Destination
 from drain.errors import ConfigError
-from drain.message import Destination, StagedRow
+from drain.postgres.rows import StagedRow
 from tests import routing_app
 
 SUFFIX = "unit"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from drain import sql
+from drain.postgres import sql
 
 
 def test_parse() -> None:

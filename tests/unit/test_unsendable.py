@@ -1,5 +1,5 @@
-"""Rows the broker could never accept (drain.unsendable), timestamps Python cannot
-hold (drain.timestamps) and held queues said once (drain.holds)."""
+"""Rows the broker could never accept (drain.celery.unsendable), timestamps Python cannot
+hold (drain.postgres.timestamps) and held queues said once (drain.daemon.holds)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import uuid
 
 import pytest
 
-from drain import holds, timestamps, unsendable
+from drain.celery import unsendable
+from drain.daemon import holds
 from drain.limits import MAX_EXPIRES
-from drain.message import StagedRow
+from drain.postgres import timestamps
+from drain.postgres.rows import StagedRow
 
 NOW = time.time()
 

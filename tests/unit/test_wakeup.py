@@ -1,9 +1,9 @@
-"""drain.wakeup's decisions, against a scripted wake lock (the queries are
+"""drain.postgres.wakeup's decisions, against a scripted wake lock (the queries are
 tested against Postgres in tests/integration/test_wakeup.py)."""
 
 from __future__ import annotations
 
-from drain.wakeup import ARM_AFTER, BUSY_RETRY, FILL_RATE, FIRST_RETRY, MAX_RETRY, Wakeup
+from drain.postgres.wakeup import ARM_AFTER, BUSY_RETRY, FILL_RATE, FIRST_RETRY, MAX_RETRY, Wakeup
 
 POLL = 5.0
 

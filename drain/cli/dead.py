@@ -1,0 +1,203 @@
+"""``drain dead ...`` and ``drain processed purge``: the tables drain leaves to clean up.
+
+``drain dead list|requeue|purge`` look at and act on dead_jobs, the jobs the
+drain set aside (:mod:`drain.postgres.dead` has the queries); ``drain processed purge``
+trims drain_processed, the consumers' record of processed task ids
+(:mod:`drain.consumer`). Each registers its parser here
+(:func:`add_dead_parser`, :func:`add_processed_parser`) for
+:func:`drain.cli.main.build_parser`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from drain.cli.common import Exit, add_database, duration, settings_of
+from drain.errors import UsageError
+from drain.limits import MAX_EXPIRES
+from drain.postgres import dead, session
+from drain.settings import options
+
+
+def _add_dead_filters(parser: argparse.ArgumentParser, *, older_than_required: bool) -> None:
+    add_database(parser)
+    parser.add_argument("--reason", help="expired, too_large, invalid, unknown_task or refused")
+    parser.add_argument("--task", help="task name")
+    parser.add_argument("--tag", help="tag")
+    parser.add_argument("--queue", help="queue")
+    parser.add_argument("--older-than", type=duration, metavar="DURATION",
+                        required=older_than_required,
+                        help="only jobs dead for longer than this, e.g. 7d, 12h"
+                        + (" (required; 0s for all)" if older_than_required else ""))
+
+
+def add_dead_parser(sub: Any) -> None:
+    """Register ``drain dead`` and its actions on ``drain``'s subparsers."""
+    p = sub.add_parser(
+        "dead",
+        help="jobs that will never be published: list, requeue, purge",
+        description="dead_jobs holds the jobs the drain set aside with a reason: "
+        "'expired' (expires_at passed while staged), 'too_large' (over "
+        "--max-message-size), 'invalid' (cannot become a Celery message), 'unknown_task' "
+        "(with --app: the app registers no such task), 'refused' (the broker refused "
+        "its publish, e.g. 404 no exchange; the detail is the broker's reply).",
+    )
+    dead_sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    q = dead_sub.add_parser("list", help="show matching dead jobs, newest first")
+    _add_dead_filters(q, older_than_required=False)
+    q.add_argument("--limit", type=options.COUNT, default=50,
+                   help="at most this many (default 50)")
+    q.add_argument("--json", action="store_true", help="one JSON object per line")
+    q.set_defaults(func=cmd_dead_list)
+    q = dead_sub.add_parser(
+        "requeue",
+        help="move matching dead jobs back into staged_jobs",
+        description="Move matching dead jobs back into staged_jobs, with their task id, "
+        "due at once, with a fresh expiry (their original time to live, or "
+        "--expires-in). A job whose expiry was at or before its due time has no time "
+        "to live to give again: without --expires-in, such jobs make the requeue refuse "
+        "(exit code 2, nothing moved). Prints the count first; asks unless --yes.",
+    )
+    _add_dead_filters(q, older_than_required=False)
+    q.add_argument("--expires-in", type=duration, metavar="DURATION",
+                   help="expire the requeued jobs this long from now, at most 3650d (needed "
+                   "for jobs that expired at or before they were due)")
+    q.add_argument("--yes", action="store_true", help="do not ask (for scripts)")
+    q.set_defaults(func=cmd_dead_requeue)
+    q = dead_sub.add_parser(
+        "purge",
+        help="delete matching dead jobs for good",
+        description="Delete matching dead jobs. Prints the count first; asks unless --yes.",
+    )
+    _add_dead_filters(q, older_than_required=True)
+    q.add_argument("--yes", action="store_true", help="do not ask (for scripts)")
+    q.set_defaults(func=cmd_dead_purge)
+
+
+def _filters(args: argparse.Namespace) -> dead.Filters:
+    return dead.Filters(reason=args.reason, task=args.task, tag=args.tag, queue=args.queue,
+                        older_than=args.older_than)
+
+
+def _confirm(what: str, count: int, filters: dead.Filters, yes: bool) -> bool:
+    """Say how many jobs match; go ahead with --yes or an answer of y at a terminal."""
+    print(f"{count} dead job(s) match ({filters.describe()})")
+    if count == 0:
+        return False
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        raise UsageError(f"refusing to {what} without --yes: standard input is not a terminal")
+    answer = input(f"{what} them? [y/N] ").strip().lower()
+    return answer in ("y", "yes")
+
+
+def cmd_dead_list(args: argparse.Namespace) -> int:
+    filters = _filters(args)
+    with session.connect_plain(settings_of(args)) as conn:
+        total = dead.count(conn, filters)
+        found = dead.rows(conn, filters, args.limit)
+    if args.json:
+        for row in found:
+            print(_json_line(row))
+        return Exit.OK
+    print(f"{total} dead job(s) match ({filters.describe()})"
+          + (f"; the newest {len(found)}:" if found and len(found) < total else ""))
+    for row in found:
+        print(f"  {row['dead_at']:%Y-%m-%d %H:%M:%S}  {row['reason']:<9}  {row['task_name']}  "
+              f"queue={row['queue']} tag={row['tag'] or '-'} task_id={row['task_id']}"
+              + (f"\n      {row['detail']}" if row["detail"] else ""))
+    return Exit.OK
+
+
+#: Columns :func:`drain.postgres.dead.rows` gives as JSON text, written into the line as they are.
+_JSON_TEXT = ("args", "kwargs")
+
+
+def _json_line(row: dict[str, Any]) -> str:
+    """One dead job as a JSON object, sorted keys; args and kwargs as the database's
+    JSON text, so no value is lost or refused (a 5,000-digit integer stays one)."""
+    return "{" + ", ".join(
+        f"{json.dumps(key)}: "
+        + (value if key in _JSON_TEXT else json.dumps(value, default=str))
+        for key, value in sorted(row.items())
+    ) + "}"
+
+
+def _act_on_dead(
+    args: argparse.Namespace, what: str, act: Callable[[Any, dead.Filters], int], done: str
+) -> int:
+    """Count the matching dead jobs, confirm, act, and say how many were affected."""
+    filters = _filters(args)
+    with session.connect_plain(settings_of(args)) as conn:
+        if what == "requeue" and args.expires_in is None:
+            dead.refuse_without_time_to_live(conn, filters)  # before asking
+        if not _confirm(what, dead.count(conn, filters), filters, args.yes):
+            return Exit.OK
+        print(done.format(act(conn, filters)))
+    return Exit.OK
+
+
+def cmd_dead_requeue(args: argparse.Namespace) -> int:
+    if args.expires_in is not None and args.expires_in > MAX_EXPIRES:
+        raise UsageError(
+            f"--expires-in is more than {MAX_EXPIRES.days:,} days: RabbitMQ refuses a message "
+            "that expires later (406 PRECONDITION_FAILED); leave it out to keep each job's "
+            "own time to live")
+    return _act_on_dead(
+        args, "requeue", lambda conn, f: dead.requeue(conn, f, args.expires_in),
+        "requeued {} job(s)",
+    )
+
+
+def cmd_dead_purge(args: argparse.Namespace) -> int:
+    return _act_on_dead(args, "purge", dead.purge, "purged {} dead job(s)")
+
+
+def add_processed_parser(sub: Any) -> None:
+    """Register ``drain processed purge`` on ``drain``'s subparsers."""
+    p = sub.add_parser(
+        "processed",
+        help="the consumers' record of processed task ids (drain.consumer)",
+        description="Manage drain_processed, where drain.consumer records the task ids "
+        "it has processed.",
+    )
+    processed_sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    q = processed_sub.add_parser(
+        "purge",
+        help="delete records older than --older-than, in batches",
+        description="Delete drain_processed rows older than --older-than, 10,000 per "
+        "transaction. Keep records longer than any copy of a message can still arrive "
+        "(queue backlog, retries, drain downtime). Safe to run from cron.",
+    )
+    add_database(q)
+    q.add_argument("--older-than", required=True, type=_record_age, metavar="DURATION",
+                   help="e.g. 7d, 12h, 90m; more than 0s (a record purged while a copy of its "
+                   "job can still arrive lets that copy run again, so there is no 'purge all')")
+    q.set_defaults(func=cmd_processed_purge)
+
+
+def _record_age(text: str) -> dt.timedelta:
+    """--older-than of ``drain processed purge``: a duration above zero (a usage error if not)."""
+    age = duration(text)
+    if age <= dt.timedelta(0):
+        raise argparse.ArgumentTypeError(
+            f"must be more than 0s, got {text!r}: every record would go, and a copy of a "
+            "job still in a queue or being retried would run again"
+        )
+    return age
+
+
+def cmd_processed_purge(args: argparse.Namespace) -> int:
+    from drain.consumer import purge  # noqa: PLC0415
+
+    with session.connect_plain(settings_of(args)) as conn:
+        conn.autocommit = True
+        gone = purge(conn, args.older_than)
+    print(f"purged {gone} processed task id(s) older than {dead.format_duration(args.older_than)}")
+    return Exit.OK

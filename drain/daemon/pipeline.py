@@ -1,0 +1,421 @@
+"""The batches between Postgres and the broker: one transaction per cycle.
+
+A :class:`Pipeline` is the drain's data path while it leads. Each
+:meth:`Pipeline.cycle` is one REPEATABLE READ transaction on the lock's own
+session: move expired rows to dead_jobs (when due), fetch up to ``batch_size``
+rows from the low-water marks (drain.postgres.keyset), build and publish them (a row
+that can never become a message goes to dead_jobs), and delete exactly the rows
+whose messages the broker confirmed, up to ``pipeline`` batches later. It also
+keeps the queues the broker refuses paused (their rows stay staged) and counts
+what was published. Connections, the lock, failures and idling are the loop's
+business (drain.daemon.runner); the pipeline only raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+from drain.broker.outgoing import Message
+from drain.broker.publisher import Batch, Publisher, PublishResult
+from drain.celery import message, unsendable
+from drain.celery.message import Destination
+from drain.celery.routing import AppRouter, UnknownTask
+from drain.daemon.holds import Holds
+from drain.daemon.metrics import Metrics
+from drain.daemon.settle import Settle
+from drain.errors import (
+    BatchConflict,
+    BrokerBlocked,
+    BrokerUnavailable,
+    DatabaseUnavailable,
+    QueueDeclareRefused,
+)
+from drain.postgres import keyset
+from drain.postgres.conflicts import Settled
+from drain.postgres.rows import StagedRow
+from drain.postgres.store import Store
+from drain.settings.config import Settings
+
+log = logging.getLogger("drain.pipeline")
+
+#: Seconds a stopping drain waits for its last batch's confirms.
+SETTLE_TIMEOUT = 3.0
+#: Seconds between two looks at the marked priorities' heads (drain.postgres.keyset).
+HEADS_INTERVAL = 0.25
+#: Seconds between two looks for expired rows while none are found.
+EXPIRE_INTERVAL = 1.0
+#: A batch fetched longer ago than this (the process was paused, a declare
+#: hung) is published only after one round trip proves the session, and so the
+#: lock, is still there: a standby may have taken over meanwhile.
+STALE_FETCH = 1.0
+
+
+class Pipeline:
+    """Fetch, publish and settle batches for one leading drain."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        publisher: Publisher,
+        metrics: Metrics,
+        *,
+        on_cycle: Callable[[int, int], None] | None = None,
+        on_fetch: Callable[[float, int], None] | None = None,
+        on_expire: Callable[[float, int], None] | None = None,
+        router: AppRouter | None = None,
+    ) -> None:
+        self.settings = settings
+        #: The user's Celery app's routing (drain.celery.routing), with ``--app``.
+        self.router = router
+        self.metrics = metrics
+        self._store = store
+        self._publisher = publisher
+        self._on_cycle = on_cycle
+        self._on_fetch = on_fetch
+        self._on_expire = on_expire
+        #: The fetch's low-water marks (drain.postgres.keyset).
+        self.marks = keyset.Marks(enabled=settings.fetch_strategy == "keyset",
+                                  rescan_interval=settings.rescan_interval)
+        self.builder = message.Builder(
+            origin=message.origin(), reply_to=str(uuid.uuid4()),
+            max_priority=settings.queue_max_priority,
+        )
+        #: Batches published and not yet settled, oldest first (at most
+        #: ``settings.pipeline - 1`` between cycles).
+        self.inflight: list[Batch] = []
+        #: The staged queues left out of the fetch for a while, and why (drain.daemon.holds).
+        self.holds = Holds()
+        #: Rows the broker confirmed, this process's lifetime.
+        self.published = 0
+        #: Removes rows only as they were read; holds out the ones that keep changing.
+        self.settle = Settle(store, metrics)
+        self._heads_at = 0.0
+        self._expired_at = 0.0
+        self._fetched_at = 0.0
+
+    def forget(self) -> None:
+        """Drop the batches in flight: their rows stay staged, published again later."""
+        self.inflight = []
+        self.settle.forget()
+
+    def cycle(self, *, stopping: bool = False) -> int:
+        """One transaction: publish a new batch, settle the oldest one in flight.
+
+        With ``pipeline`` P, the batch published in transaction k is confirmed
+        while transactions k+1 .. k+P-1 fetch and publish the next ones, so the
+        broker never waits for Postgres: transaction k+P-1 then deletes the rows
+        of batch k that the broker confirmed. Rows still in flight are excluded
+        from the fetch. A part batch (nothing left behind it to overlap with)
+        settles everything in flight, itself included, in its own transaction:
+        the latency of a lone job is one transaction, not P. In the same
+        transaction, expired rows and rows that can never become a message move
+        to dead_jobs. Returns how many rows were fetched or expired.
+
+        ``stopping``: fetch nothing new, and give the batches in flight at most
+        SETTLE_TIMEOUT to be confirmed (abandoning them is safe: their rows stay
+        staged).
+        """
+        pending, self.inflight = self.inflight, []
+        start_error: BrokerUnavailable | None = None
+        results: list[PublishResult] = []
+        doomed: list[tuple[int, str, str]] = []
+        rows: list[StagedRow] = []
+        limit = self.settings.batch_size
+        expired = Settled()
+        # Left out of the fetch and the expiry: the rows in flight, and the rows
+        # held out after they changed under the drain (drain.postgres.conflicts).
+        exclude = [row_id for batch in pending for row_id in batch.row_ids]
+        exclude += self.settle.held() + self.holds.held_rows()
+        try:
+            # The marks move only once the batch committed (drain.postgres.keyset, "Only what
+            # committed moves a mark"): a rolled-back batch's expired rows come back.
+            with self.marks.transaction(), self._store.batch():
+                if not stopping:
+                    expired, rows = self._expire_and_fetch(exclude, limit)
+                    self.settle.read(rows)
+                if rows:
+                    self.metrics.batch_rows.observe(len(rows))
+                    publishing = time.perf_counter()
+                    try:
+                        current = self._start(rows, doomed)
+                    except BrokerUnavailable as exc:
+                        start_error = exc
+                    except BrokerBlocked:
+                        pass  # nothing published: the rows stay staged (see _blocked)
+                    else:
+                        if current is not None:
+                            pending.append(current)
+                    self.metrics.publish_seconds.observe(time.perf_counter() - publishing)
+                # On the way out, do not keep a stalled broker's batch for the whole
+                # confirm timeout: abandoning it is safe (its rows stay staged).
+                self._collect(pending, results, everything=len(rows) < limit or bool(start_error),
+                              timeout=SETTLE_TIMEOUT if stopping else None)
+                deleted, buried = self.settle.remove(results, doomed)
+        except (DatabaseUnavailable, BatchConflict):
+            # Rolled back: every row stays staged, the ones the broker confirmed
+            # too. They are published again, with the same task ids: count them.
+            self.metrics.unsettled.inc(sum(len(r.confirmed) for r in results))
+            self._publisher.forget_inflight()
+            raise
+        # Committed: the confirmed rows are gone, everything else stays staged.
+        self.inflight = pending
+        self.settle.committed([i for batch in pending for i in batch.row_ids],
+                              expired, deleted, buried, doomed)
+        for result in results:
+            self._account(result)
+        error = start_error or next((r.error for r in results if r.error), None)
+        if error is not None:
+            raise error
+        return max(len(rows), len(expired.done) + len(expired.left))
+
+    def _collect(self, pending: list[Batch], results: list[PublishResult], *,
+                 everything: bool, timeout: float | None) -> None:
+        """Wait for the oldest batches' confirms, into ``results``.
+
+        Down to pipeline - 1 batches in flight; all of them with ``everything``
+        (no backlog left: nothing would follow to overlap with, so a lone job
+        takes one transaction; or publishing failed) or once a batch's
+        connection failed (collect what was confirmed before that). A broker
+        that blocks publishing ends the wait: the rest stays in flight.
+        """
+        while pending and (everything or len(pending) >= self.settings.pipeline
+                           or any(r.error for r in results)):
+            try:
+                results.append(self._wait(pending[0], timeout))
+            except BrokerBlocked:
+                return  # in flight until the alarm clears: see _blocked
+            pending.pop(0)
+
+    def _expire_and_fetch(self, exclude: list[int],
+                          limit: int) -> tuple[Settled, list[StagedRow]]:
+        """Move expired rows to dead_jobs (when due), then fetch the next batch."""
+        found, expired = 0, Settled()
+        if self._expire_due():
+            started = time.perf_counter()
+            found, expired = self._store.expire(exclude, limit, self.marks.current())
+            if self._on_expire is not None:
+                self._on_expire(time.perf_counter() - started, len(expired.done))
+            self._expired_at = time.monotonic() if found < limit else 0.0
+        # A full batch expired: more expired rows may remain, which the fetch
+        # would have to skip one by one. Move them first (the next cycle follows
+        # at once) and fetch once they are gone.
+        if found >= limit:
+            return expired, []
+        self._try_paused()  # a broker round trip: not part of the fetch's time
+        return expired, self._fetch(limit, exclude)
+
+    def _wait(self, batch: Batch, timeout: float | None = None) -> PublishResult:
+        """Wait for a batch's confirms, timed; BrokerBlocked if the broker blocks first."""
+        started = time.perf_counter()
+        try:
+            return self._publisher.wait(batch, timeout, until_blocked=True)
+        finally:
+            self.metrics.confirm_seconds.observe(time.perf_counter() - started)
+
+    def _expire_due(self) -> bool:
+        """Look for expired rows at most every EXPIRE_INTERVAL while there are none
+        (the fetch leaves them out meanwhile), at once while a batch of them remains."""
+        return time.monotonic() - self._expired_at >= EXPIRE_INTERVAL
+
+    def _fetch(self, limit: int, exclude: list[int]) -> list[StagedRow]:
+        """Fetch the next batch and move the low-water marks (drain.postgres.keyset)."""
+        started = time.perf_counter()
+        marks = self.marks  # with --fetch-strategy head they plan from the head, keep none
+        paused = self.holds.now_paused()
+        marks.paused(paused)
+        rows = self._store.fetch(limit, exclude, paused, marks.plan(time.monotonic()))
+        now = time.monotonic()
+        marks.fetched([row.priority for row in rows if row.ready], now)
+        # The marks move on a look at the heads now and then, not per batch:
+        # spare the round trip on most fetches.
+        if now - self._heads_at >= HEADS_INTERVAL and marks.enabled:
+            self._heads_at = now
+            current = marks.current()
+            if current.priorities:
+                heads, xmin = self._store.heads(current, paused)
+                marks.observe(heads, xmin, paused)
+            marks.observe_timed(*self._store.timed_heads(current))
+        self._fetched_at = now
+        elapsed = time.perf_counter() - started
+        self.metrics.fetch_seconds.observe(elapsed)
+        if self._on_fetch is not None:
+            self._on_fetch(elapsed, len(rows))
+        return rows
+
+    def _start(self, rows: list[StagedRow], doomed: list[tuple[int, str, str]]) -> Batch | None:
+        """Declare the rows' queues and publish the rows whose queues were accepted.
+
+        With an app, each row goes to the queue the app routes it to; a refused
+        queue pauses the staged queues of the rows routed to it (the unit the
+        fetch leaves out). A row the broker could never accept is not even routed
+        (drain.celery.unsendable)."""
+        rows = unsendable.screen(rows, doomed, time.time())
+        destinations = self._route(rows, doomed) if self.router is not None else {}
+        # Each row with the queue it goes to, worked out once.
+        targets = ([(row, destinations[row.id].queue) for row in rows if row.id in destinations]
+                   if self.router is not None else [(row, row.queue) for row in rows])
+        paused = set(self.holds.now_paused())
+        refused = self._publisher.declare({queue for _, queue in targets} - paused)
+        for queue, reason in refused.items():
+            self.holds.pause(queue, self._declare_refused(queue, reason))
+        for row, queue in targets:
+            self.holds.rows.pop(row.id, None)
+            if queue in refused or queue in paused:
+                self.holds.rows[row.id] = queue  # out of the fetch while it is paused
+        publishable = [(row, queue) for row, queue in targets
+                       if queue not in refused and queue not in paused]
+        if not publishable:
+            return None
+        self._prove_lock()
+        return self._publisher.start(
+            self._messages([row for row, _ in publishable], doomed, destinations),
+            queues={queue for _, queue in publishable},
+            count=len(publishable),
+        )
+
+    def _route(self, rows: list[StagedRow],
+               doomed: list[tuple[int, str, str]]) -> dict[int, Destination]:
+        """Each row's destination in the app (drain.celery.routing); a task the app does
+        not know goes to ``doomed`` as 'unknown_task', a row it cannot route as
+        'invalid'."""
+        router = self.router
+        assert router is not None
+        found: dict[int, Destination] = {}
+        for row in rows:
+            try:
+                found[row.id] = router.destination(row)
+            except UnknownTask as exc:
+                doomed.append((row.id, "unknown_task", str(exc)[:1000]))
+            except Exception as exc:
+                doomed.append((row.id, "invalid",
+                               f"routing: {type(exc).__name__}: {exc}"[:1000]))
+        return found
+
+    def _prove_lock(self) -> None:
+        """Before publishing a batch fetched a while ago, prove the lock is still ours.
+
+        A leader paused (SIGSTOP, a frozen VM, a hung declare) between its fetch
+        and its publish may have lost its session meanwhile, and a standby taken
+        over and published the same rows. Publishing them now would only make
+        duplicates: drop the batch instead (its rows stay staged for the new
+        leader) and count it in ``drain_stale_batches_total``. A pause that falls
+        after this check is not caught; it costs duplicates at worst
+        (``drain_unsettled_rows_total``).
+        """
+        if time.monotonic() - self._fetched_at <= STALE_FETCH:
+            return
+        try:
+            self._store.alive()
+        except DatabaseUnavailable:
+            self.metrics.stale_batches.inc()
+            log.warning("a batch fetched %.1fs ago was not published: the database session "
+                        "(and the lock) did not survive the pause",
+                        time.monotonic() - self._fetched_at)
+            raise
+
+    def _messages(
+        self, rows: list[StagedRow], doomed: list[tuple[int, str, str]],
+        destinations: dict[int, Destination],
+    ) -> Iterator[Message]:
+        """Build each row's message; a row that can never be one goes to ``doomed``."""
+        now = time.time()
+        limit = self.settings.max_message_size
+        for row in rows:
+            try:
+                built = self.builder.build(row, now=now, destination=destinations.get(row.id))
+            except Exception as exc:
+                doomed.append((row.id, "invalid", f"{type(exc).__name__}: {exc}"[:1000]))
+                continue
+            if len(built.body) > limit:
+                doomed.append((row.id, "too_large",
+                               f"message body of {len(built.body)} bytes exceeds "
+                               f"max_message_size ({limit} bytes)"))
+                continue
+            yield built
+
+    # -- queues the broker refuses (drain.daemon.holds) --------------------------------------
+
+    @property
+    def paused(self) -> dict[str, tuple[float, int, str]]:
+        """queue -> (paused until (monotonic), times paused, last reason)."""
+        return self.holds.paused
+
+    def _try_paused(self) -> None:
+        """Declare again the paused queues whose pause ran out: resume the ones the
+        broker accepts now, pause the others for longer.
+
+        Trying a queue by declaring it, not by fetching its rows, keeps the marks
+        past those rows (drain.postgres.keyset, "Paused queues") while the broker still
+        refuses it: a fetch never steps over the pile just to find that out.
+        """
+        if self.router is not None:
+            # Staged queues are not the app's queues: a paused one is fetched again
+            # once its pause ran out, routed, and declared (or paused for longer).
+            return
+        due = self.holds.due()
+        if not due:
+            return
+        try:
+            refused = self._publisher.declare(due)
+        except BrokerBlocked:
+            return  # tried again after the alarm
+        for queue in sorted(due):
+            if queue in refused:
+                self.holds.pause(queue, self._declare_refused(queue, refused[queue]))
+        self.holds.resume(due - set(refused))
+
+    def _declare_refused(self, queue: str, reason: str) -> str:
+        """Count a refused declare (by the broker's reply code) and say what it means."""
+        code = reason.split(" ", 1)[0]
+        self.metrics.declare_refused.labels(code if code.isdigit() else "other").inc()
+        return str(QueueDeclareRefused(queue, reason, self.settings.queue_declare))
+
+    def _refused(self, result: PublishResult) -> set[str]:
+        """Count and say what the broker refused (drain.broker.refusal): dead-lettered rows
+        went to dead_jobs with the batch; held rows pause their queue. Returns the
+        queues paused."""
+        held: dict[str, str] = {}
+        for m, refusal in result.refused:
+            self.metrics.publish_refused.labels(str(refusal.code)).inc()
+            if refusal.action == "hold":
+                self.holds.rows[m.row_id] = m.declared_queue
+                held.setdefault(m.declared_queue, f"broker refused a publish to exchange "
+                                f"{m.exchange!r}: {refusal.text}; its rows stay staged")
+            else:
+                self.holds.say(f"{refusal.action} {refusal.text}", (
+                    f"broker refused a publish ({refusal.text}): " + (
+                        "moved to dead_jobs (reason 'refused')" if refusal.action == "dead"
+                        else "its row stays staged; declaring its queue again")))
+        for queue, reason in sorted(held.items()):
+            self.holds.hold(queue, reason)
+        return set(held)
+
+    def _account(self, result: PublishResult) -> None:
+        self.published += len(result.confirmed)
+        self.metrics.published.inc(len(result.confirmed))
+        self.metrics.unroutable.inc(len(result.returned))
+        self.metrics.nacked.inc(result.nacked)
+        confirmed = result.confirmed_queues
+        self.holds.resume(confirmed - result.returned_declared)
+        for queue in sorted(result.returned_declared):
+            # Unroutable: nothing bound to it (deleted behind our back?). Declare
+            # it again next time; meanwhile its rows stay staged.
+            self._publisher.forget(queue)
+            self.holds.pause(queue, f"messages to queue {queue!r} came back unroutable (no "
+                                    "queue bound); their rows stay staged")
+        self.holds.rows.update(result.returned_to)
+        if result.nacked:
+            log.warning("broker nacked %d message(s); their rows stay staged", result.nacked)
+        for queue in sorted(result.nacked_queues):
+            # Nacked again if published again at once (a full queue with
+            # x-overflow reject-publish): with backoff, not in a loop.
+            self.holds.hold(queue, f"the broker nacks messages to queue {queue!r} (full, "
+                                   "with x-overflow reject-publish?); their rows stay staged")
+        self.holds.confirmed(confirmed - self._refused(result) - result.nacked_queues)
+        if self._on_cycle is not None:
+            self._on_cycle(len(result.confirmed) + len(result.returned) + result.nacked,
+                           len(result.confirmed))

@@ -1,0 +1,190 @@
+"""The dead-letter table: listing, requeueing and purging ``dead_jobs``.
+
+The drain moves a row to ``dead_jobs`` when it can never be published
+(``expired``, ``too_large``, ``invalid``, ``unknown_task``, ``refused``), in the
+same transaction that would have deleted it. Operators inspect them here and
+either put them back into ``staged_jobs`` (same task id; a fresh expiry) or
+purge them.
+
+Filters combine with AND; each is optional. SQL is composed with
+``psycopg.sql`` from fixed fragments: no value is ever pasted into it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import re
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from drain.errors import ConfigError, SchemaMissing, StagingError
+from drain.postgres import sql as queries
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> dt.timedelta:
+    """``"90"``, ``"90s"``, ``"15m"``, ``"12h"``, ``"7d"``, ``"2w"`` -> timedelta."""
+    match = _DURATION.match(text)
+    if not match:
+        raise ConfigError(f"not a duration: {text!r} (use e.g. 90s, 15m, 12h, 7d, 2w)")
+    return dt.timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def format_duration(value: dt.timedelta) -> str:
+    """The shortest spelling :func:`parse_duration` reads back: ``7d``, ``90m``, ``1.5s``."""
+    seconds = value.total_seconds()
+    for unit in ("d", "h", "m"):
+        if seconds >= _UNITS[unit] and seconds % _UNITS[unit] == 0:
+            return f"{int(seconds // _UNITS[unit])}{unit}"
+    return f"{seconds:g}s"
+
+
+@dataclasses.dataclass(frozen=True)
+class Filters:
+    """Which dead jobs an operation applies to."""
+
+    reason: str | None = None
+    task: str | None = None
+    tag: str | None = None
+    queue: str | None = None
+    older_than: dt.timedelta | None = None
+
+    def where(self) -> tuple[sql.Composable, dict[str, Any]]:
+        conditions: list[sql.Composable] = [sql.SQL("TRUE")]
+        params: dict[str, Any] = {}
+        for column, value in (("reason", self.reason), ("task_name", self.task),
+                              ("tag", self.tag), ("queue", self.queue)):
+            if value is not None:
+                conditions.append(sql.SQL("{} = {}").format(
+                    sql.Identifier(column), sql.Placeholder(column)))
+                params[column] = value
+        if self.older_than is not None:
+            conditions.append(sql.SQL("dead_at < now() - {}").format(
+                sql.Placeholder("older_than")))
+            params["older_than"] = self.older_than
+        return sql.SQL(" AND ").join(conditions), params
+
+    def describe(self) -> str:
+        parts = [
+            f"{name}={format_duration(value) if isinstance(value, dt.timedelta) else value}"
+            for name, value in dataclasses.asdict(self).items() if value is not None
+        ]
+        return ", ".join(parts) if parts else "no filter"
+
+
+def count(conn: psycopg.Connection[Any], filters: Filters) -> int:
+    where, params = filters.where()
+    row = conn.execute(
+        sql.SQL("SELECT count(*) FROM dead_jobs WHERE {}").format(where), params
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def rows(conn: psycopg.Connection[Any], filters: Filters, limit: int) -> list[dict[str, Any]]:
+    """The newest matching dead jobs first. ``args`` and ``kwargs`` are the
+    database's JSON text, as stored: valid JSON, whatever it holds (an integer
+    of 5,000 digits, which Python's JSON decoder refuses, included)."""
+    where, params = filters.where()
+    cur = conn.execute(
+        sql.SQL(
+            "SELECT id, task_id::text, task_name, queue, tag, priority, reason, detail, "
+            "dead_at, staged_at, args::text AS args, kwargs::text AS kwargs "
+            "FROM dead_jobs WHERE {} "
+            "ORDER BY dead_at DESC, id DESC LIMIT {}"
+        ).format(where, sql.Placeholder("limit")),
+        {**params, "limit": limit},
+    )
+    names = [d.name for d in cur.description or []]
+    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+
+def requeue(
+    conn: psycopg.Connection[Any], filters: Filters, expires_in: dt.timedelta | None = None
+) -> int:
+    """Move matching dead jobs back into ``staged_jobs``; returns how many.
+
+    They keep their task id, priority, tag, queue, embed (callbacks, a chain's
+    next tasks) and ``queue_legacy`` (a job staged without a queue before the
+    upgrade is still routed as "no queue given"), and are due at once.
+    Expiry is fresh: ``expires_in`` from now when given, else the time to live
+    the job had when it was staged (expires_at minus its staging or due time),
+    else none. Without ``expires_in``, a job whose expiry was at or before its
+    start had no time to live to give again (it would expire at once): then
+    nothing is requeued and StagingError says so (:func:`no_time_to_live`).
+    Raises :class:`SchemaMissing` on a schema `drain migrate` has not upgraded yet.
+    """
+    where, params = filters.where()
+    with conn.transaction():
+        if conn.execute(queries.query("queue_legacy_present")).fetchone() != (True,):
+            raise SchemaMissing("dead_jobs has no queue_legacy column (an older drain "
+                                "schema): run `drain migrate`")
+        if expires_in is None:
+            refuse_without_time_to_live(conn, filters)
+        query = sql.SQL(
+            """
+            WITH moved AS (DELETE FROM dead_jobs WHERE {} RETURNING *)
+            INSERT INTO staged_jobs (task_id, task_name, args, kwargs, queue, queue_legacy,
+                                     priority, tag, not_before, expires_at, embed)
+            SELECT task_id, task_name, args, kwargs, queue, queue_legacy, priority, tag, NULL,
+                   CASE WHEN {expires_in}::interval IS NOT NULL THEN now() + {expires_in}
+                        WHEN expires_at IS NOT NULL
+                            THEN now() + (expires_at - coalesce(not_before, staged_at))
+                   END, embed
+            FROM moved
+            """
+        ).format(where, expires_in=sql.Placeholder("expires_in"))
+        return conn.execute(query, {**params, "expires_in": expires_in}).rowcount
+
+
+def no_time_to_live(conn: psycopg.Connection[Any], filters: Filters) -> int:
+    """How many matching dead jobs expired at or before their start (due time, or
+    staging time): requeued with their own time to live, they would expire at once."""
+    return _count(conn, filters, "expires_at <= coalesce(not_before, staged_at)")
+
+
+def infinite_time_to_live(conn: psycopg.Connection[Any], filters: Filters) -> int:
+    """How many matching dead jobs have an expiry or a start without a time to live
+    to give again: 'infinity', '-infinity' (staged by plain SQL; an interval holds
+    neither)."""
+    return _count(conn, filters, "expires_at IS NOT NULL AND NOT (isfinite(expires_at) "
+                                 "AND isfinite(coalesce(not_before, staged_at)))")
+
+
+def _count(conn: psycopg.Connection[Any], filters: Filters, condition: str) -> int:
+    where, params = filters.where()
+    row = conn.execute(sql.SQL("SELECT count(*) FROM dead_jobs WHERE {} AND {}").format(
+        where, sql.SQL(condition)), params).fetchone()
+    return int(row[0]) if row else 0
+
+
+def refuse_without_time_to_live(conn: psycopg.Connection[Any], filters: Filters) -> None:
+    """StagingError when :func:`no_time_to_live` or :func:`infinite_time_to_live`
+    finds any."""
+    stuck = no_time_to_live(conn, filters)
+    if stuck:
+        raise StagingError(
+            f"{stuck} matching dead job(s) expired at or before they were due: requeued "
+            "with their own time to live they would expire at once. Nothing was requeued; "
+            "give them a fresh expiry with --expires-in DURATION, or leave them out "
+            "(--task, --tag, --reason ...)")
+    endless = infinite_time_to_live(conn, filters)
+    if endless:
+        raise StagingError(
+            f"{endless} matching dead job(s) have an infinite expiry or start time "
+            "('infinity', '-infinity'): they have no time to live to give again. Nothing "
+            "was requeued; give them a fresh expiry with --expires-in DURATION, or leave "
+            "them out (--task, --tag, --reason ...)")
+
+
+def purge(conn: psycopg.Connection[Any], filters: Filters) -> int:
+    """Delete matching dead jobs for good; returns how many."""
+    where, params = filters.where()
+    with conn.transaction():
+        return conn.execute(
+            sql.SQL("DELETE FROM dead_jobs WHERE {}").format(where), params
+        ).rowcount

@@ -1,0 +1,47 @@
+"""The SQL drain runs: ``queries.sql`` by name, and the staging schema."""
+
+from __future__ import annotations
+
+import functools
+import re
+from importlib import resources
+from pathlib import Path
+
+_HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+
+
+def parse(text: str) -> dict[str, str]:
+    """Split a ``-- name: x`` file into ``{name: query}``; comments are kept."""
+    parts = _HEADER.split(text)
+    queries: dict[str, str] = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        if name in queries:
+            raise ValueError(f"query {name!r} is defined twice")
+        query = body.strip()
+        if not query:
+            raise ValueError(f"query {name!r} is empty")
+        queries[name] = query
+    return queries
+
+
+@functools.cache
+def queries() -> dict[str, str]:
+    return parse(resources.files("drain.postgres").joinpath("queries.sql").read_text("utf-8"))
+
+
+def query(name: str) -> str:
+    """The query ``name``."""
+    return queries()[name]
+
+
+def schema_text() -> str:
+    """The staging schema: the wheel's copy, or the repository's canonical file."""
+    packaged = resources.files("drain").joinpath("staging_schema.sql")
+    if packaged.is_file():
+        return packaged.read_text("utf-8")
+    return schema_path().read_text("utf-8")
+
+
+def schema_path() -> Path:
+    """The top-level ``staging_schema.sql`` of a source checkout."""
+    return Path(__file__).resolve().parent.parent.parent / "staging_schema.sql"
