@@ -134,15 +134,24 @@ def queue_depth(queue: str) -> int:
 
 
 def drain_queue(queue: str, timeout: float = 2.0) -> list[tuple[Any, Any, bytes]]:
-    """Consume (and ack) every message now in ``queue``: [(method, properties, body)]."""
+    """Consume (and ack) every message now in ``queue``: [(method, properties, body)].
+
+    The queue's message count says how many are there now: those are awaited
+    however long a loaded machine takes to deliver them (a gap of ``timeout``
+    seconds between two deliveries ended the read early, and a test saw
+    thousands of confirmed jobs 'missing'); only after them does ``timeout``
+    of silence end it."""
     out: list[tuple[Any, Any, bytes]] = []
     with broker_channel() as ch:
         try:
-            ch.queue_declare(queue, passive=True)
+            held = ch.queue_declare(queue, passive=True).method.message_count
         except pika.exceptions.ChannelClosedByBroker:
             return out
+        deadline = time.monotonic() + 300
         for method, properties, body in ch.consume(queue, inactivity_timeout=timeout):
             if method is None:
+                if len(out) < held and time.monotonic() < deadline:
+                    continue
                 break
             out.append((method, properties, body))
             ch.basic_ack(method.delivery_tag)
