@@ -424,11 +424,11 @@ def test_wheel_carries_the_schema(tmp_path: Path) -> None:
     [wheel] = tmp_path.glob("drain_outbox-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
-        assert {"drain/staging_schema.sql", "drain/queries.sql", "drain/py.typed"} <= names
+        assert {"drain/staging_schema.sql", "drain/postgres/queries.sql", "drain/py.typed"} <= names
         packaged = zf.read("drain/staging_schema.sql")
-        queries = zf.read("drain/queries.sql")
+        queries = zf.read("drain/postgres/queries.sql")
     assert packaged == (support.ROOT / "staging_schema.sql").read_bytes()
-    assert queries == (support.ROOT / "drain" / "queries.sql").read_bytes()
+    assert queries == (support.ROOT / "drain" / "postgres" / "queries.sql").read_bytes()
 
 
 

@@ -17,7 +17,7 @@ from tests import roles, support
 from tests.package.installed import DISTRIBUTION, Installed, checked
 
 #: What the runtime reads from the package directory besides its modules.
-DATA_FILES = ("staging_schema.sql", "status.html", "queries.sql", "py.typed")
+DATA_FILES = ("staging_schema.sql", "daemon/status.html", "postgres/queries.sql", "py.typed")
 
 
 def _version_of_pyproject() -> str:
@@ -151,7 +151,7 @@ def test_installed_drain_serves_its_status_page(
     runner.wait_for_output("broker connected", timeout=60)
     status, body = support.http_get(port, "/")
     assert status == 200
-    assert body == (support.ROOT / "drain" / "status.html").read_text()
+    assert body == (support.ROOT / "drain" / "daemon" / "status.html").read_text()
 
 
 def test_installed_drain_without_spark_says_how_to_add_it(
