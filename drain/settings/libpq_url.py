@@ -1,14 +1,25 @@
 """Database URLs and ``key=value`` strings, cut the way libpq cuts them.
 
-:func:`cut_database` finds the secrets of a connection string (the rules are
-in drain.settings.urls), or raises :class:`drain.settings.url_parts.Malformed` naming the part
-that is wrong.
+libpq (``psycopg.conninfo.conninfo_to_dict``) decides what parses; the two
+patterns here only say where each part is written, so that a string that
+parses is masked character for character and one that does not is refused
+naming the part that is wrong (libpq's own messages quote the text, the
+password included). :func:`cut_database` gives the secrets' places, or raises
+:class:`drain.settings.url_parts.Malformed`; the rules are in drain.settings.urls.
+
+What libpq does not check and this module does: a URL libpq parses, but not
+as its writer meant. ``postgresql://app:Zq@x#Y/wk@db/x`` is, to libpq, the
+password ``Zq``, the host ``x#Y`` and the database ``wk@db/x``; masked by those
+parts it would show ``x#Y/wk``, most of the password. A later ``@`` followed by
+``host[:port]`` (:func:`drain.settings.url_parts.last_userinfo_at`) marks it,
+and it is refused with the characters to escape. Ports too: libpq takes any
+text as a port until it connects.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import re
 from urllib.parse import unquote
 
 from psycopg import conninfo, pq
@@ -30,6 +41,20 @@ from drain.settings.url_parts import (
     password_of,
 )
 
+#: After the scheme, as libpq's ``conninfo_uri_parse_options`` reads it: the user
+#: name and password end at the first ``@`` before any ``/``, the password at
+#: the user name's first ``:``; hosts, ``/dbname``, ``?query``.
+_URL = re.compile(r"(?:(?P<user>[^:@/]*)(?::(?P<password>[^@/]*))?@)?"
+                  r"(?P<hosts>[^/?]*)(?:/(?P<dbname>[^?]*))?(?:\?(?P<query>.*))?", re.S)
+#: One host of a URL's list: ``[IPv6]`` or a name, then ``:port``.
+_HOST = re.compile(r"(?:\[(?P<v6>[^\]]*)(?P<close>\])?|(?P<name>[^:]*))(?P<after>.*)", re.S)
+_W = f"[{SPACES}]"
+#: One item of a ``key=value`` string, as libpq's ``conninfo_parse`` reads it: a
+#: value is single-quoted or a bare word; ``\\`` escapes the next character in both.
+_ITEM = re.compile(
+    rf"{_W}*(?P<key>[^={SPACES}]*){_W}*(?:={_W}*(?P<value>"
+    rf"'(?:\\.|\\\Z|[^\\'])*(?P<close>')?|(?:\\.|\\\Z|[^\\{SPACES}])*))?", re.S)
+
 
 @functools.cache
 def _libpq_keywords() -> frozenset[str]:
@@ -37,21 +62,26 @@ def _libpq_keywords() -> frozenset[str]:
     return frozenset(o.keyword.decode() for o in pq.Conninfo.get_defaults()) | {"ssl"}
 
 
-def _libpq_refusal(exc: Exception) -> str:
-    """libpq's reason, without the text it quotes (which may be the password)."""
-    text = first_line(exc).split('"', 1)[0].rstrip(" :")
-    return f"libpq cannot parse it ({text})" if text else "libpq cannot parse it"
-
-
 def _ordinal(n: int) -> str:
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
 
 
+def _libpq_parse(dsn: str, secrets: list[str]) -> dict[str, str]:
+    """libpq's reading; of its refusal only the words before its first quote (the rest
+    may be the password)."""
+    try:
+        return {key: str(value) for key, value in conninfo.conninfo_to_dict(dsn).items()}
+    except Exception as exc:
+        text = first_line(exc).split('"', 1)[0].rstrip(" :")
+        raise Malformed(f"libpq cannot parse it ({text})" if text else "libpq cannot parse it",
+                        secrets) from None
+
+
 def cut_database(dsn: str) -> Cut:
     """Cut a libpq URL or ``key=value`` string; :class:`Malformed` when it cannot be."""
     if dsn.startswith(DATABASE_SCHEMES):
-        return _cut_database_url(dsn)
+        return _cut_url(dsn)
     scheme = SCHEME.match(dsn.lstrip())
     if scheme:
         if dsn.lstrip().startswith(DATABASE_SCHEMES):
@@ -61,116 +91,64 @@ def cut_database(dsn: str) -> Cut:
             + (" (libpq's are lower case)" if scheme.group(0).lower() in DATABASE_SCHEMES
                else "")
         )
-    return _cut_database_keywords(dsn)
+    return _cut_keywords(dsn)
 
 
-@dataclasses.dataclass
-class _LibpqUrl:
-    """A ``postgresql://`` URL cut as libpq's ``conninfo_uri_parse_options`` cuts it."""
-
-    #: (what, span): "user name", "password", "host", "port", "database name".
-    parts: list[tuple[str, Span]]
-    ports: list[str]
-    query: Span | None = None
-    #: What libpq itself would refuse in the host list, if anything.
-    problem: str | None = None
-
-
-def _libpq_url(url: str, start: int, at: int | None) -> _LibpqUrl:
-    """``user[:password]@``, ``host[:port][,...]``, ``/dbname``, ``?query``, as libpq reads them."""
-    n = len(url)
-    cut = _LibpqUrl([], [])
-    p = start
-    if at is not None:
-        colon = url.find(":", start, at)
-        cut.parts.append(("user name", (start, at if colon < 0 else colon)))
-        if colon >= 0:
-            cut.parts.append(("password", (colon + 1, at)))
-        p = at + 1
-    while True:
-        p = _libpq_host(url, p, cut)
-        if cut.problem is not None:
-            return cut
-        if p < n and url[p] == ":":
-            q = p + 1
-            while q < n and url[q] not in "/?,":
-                q += 1
-            cut.parts.append(("port", (p + 1, q)))
-            cut.ports.append(url[p + 1:q])
-            p = q
-        if p < n and url[p] == ",":
-            p += 1
-            continue
-        break
-    if p < n and url[p] == "/":
-        q = url.find("?", p + 1)
-        q = n if q < 0 else q
-        cut.parts.append(("database name", (p + 1, q)))
-        p = q
-    if p < n and url[p] == "?":
-        cut.query = (p + 1, n)
-    return cut
-
-
-def _libpq_host(url: str, p: int, cut: _LibpqUrl) -> int:
-    """One host name or ``[IPv6]`` address at ``p``; where it ends (sets ``cut.problem``)."""
-    n = len(url)
-    if p < n and url[p] == "[":
-        close = url.find("]", p)
-        if close < 0:
-            cut.problem = "the IPv6 address has no closing ']'"
-        elif close == p + 1:
-            cut.problem = "the IPv6 address between [ and ] is empty"
-        elif close + 1 < n and url[close + 1] not in ":/?,":
-            cut.problem = "a ':', '/', '?' or ',' must follow the IPv6 address's ']'"
-        else:
-            cut.parts.append(("host", (p + 1, close)))
-        return close + 1
-    q = p
-    while q < n and url[q] not in ":/?,":
-        q += 1
-    cut.parts.append(("host", (p, q)))
-    return q
-
-
-def _cut_database_url(url: str) -> Cut:
+def _cut_url(url: str) -> Cut:
     """Cut a ``postgresql://`` URL as libpq does, and refuse what libpq would misread."""
     start = url.index("://") + 3
-    slash = url.find("/", start)
-    found = url.find("@", start, len(url) if slash < 0 else slash)
-    at = found if found >= 0 else None
+    found = _URL.fullmatch(url, start)
+    assert found is not None  # every group may be empty
+    at = found.start("hosts") - 1 if found.group("user") is not None else None
     greedy = last_userinfo_at(url, start)
-    candidates = []
-    for end in (at, greedy):
-        if end is not None:
-            candidates += both_ways(password_of(url[start:end]))
-    cut = _libpq_url(url, start, at)
+    candidates = [s for end in (at, greedy) if end is not None
+                  for s in both_ways(password_of(url[start:end]))]
+    if greedy is None or (at is not None and greedy <= at):
+        return _checked_url(url, found, candidates)
+    misread = Malformed(escape_advice(url[start:greedy], DATABASE_BREAKS, "database name"),
+                        candidates)
+    if found.group("query") is None or greedy < found.start("query"):
+        raise misread
+    try:  # an '@' in a query value is one only if all else is right
+        return _checked_url(url, found, candidates)
+    except Malformed:
+        raise misread from None
 
-    # An '@' further right than libpq's that could end the user name and password:
-    # an unescaped '/' or '@' in them, unless it is only a query value's '@'.
-    if greedy is not None and (at is None or greedy > at):
-        in_query = cut.query is not None and greedy >= cut.query[0]
-        if not (in_query and cut.problem is None and all(p.isdigit() for p in cut.ports)
-                and _libpq_parses(url)):
-            raise Malformed(
-                escape_advice(url[start:greedy], DATABASE_BREAKS, "database name"), candidates
-            )
-    if cut.problem is not None:
-        raise Malformed(cut.problem, candidates)
-    for name, (begin, end) in cut.parts:
-        problem = _part_problem(f"the {name}", url[begin:end], at_sign=name != "password")
+
+def _checked_url(url: str, found: re.Match[str], candidates: list[str]) -> Cut:
+    parts = [("user name", "user"), ("password", "password")]
+    named: list[tuple[str, str]] = [(what, text) for what, group in parts
+                                    if (text := found.group(group)) is not None]
+    ports = []
+    for host in found.group("hosts").split(","):
+        one = _HOST.fullmatch(host)
+        assert one is not None
+        if one.group("v6") is not None and one.group("close") is None:
+            raise Malformed("the IPv6 address has no closing ']' (before any '/', '?' or ',')",
+                            candidates)
+        if one.group("v6") == "":
+            raise Malformed("the IPv6 address between [ and ] is empty", candidates)
+        after = one.group("after")
+        if after and not after.startswith(":"):
+            raise Malformed("a ':', '/', '?' or ',' must follow the IPv6 address's ']'",
+                            candidates)
+        named.append(("host", one.group("v6") or one.group("name") or ""))
+        if after:
+            named.append(("port", after[1:]))
+            ports.append(after[1:])
+    if found.group("dbname") is not None:
+        named.append(("database name", found.group("dbname")))
+    for what, text in named:
+        problem = _part_problem(f"the {what}", text, at_sign=what != "password")
         if problem:
             raise Malformed(problem, candidates)
-    for port in cut.ports:
+    for port in ports:
         _check_port(unquote(port), candidates)
-    spans = [span for name, span in cut.parts if name == "password"]
-    secrets = [s for begin, end in spans for s in both_ways(url[begin:end])]
-    if cut.query is not None:
-        _query_secrets(url, cut.query[0], spans, secrets)
-    try:
-        conninfo.conninfo_to_dict(url)
-    except Exception as exc:
-        raise Malformed(_libpq_refusal(exc), secrets) from None
+    spans = [found.span("password")] if found.group("password") is not None else []
+    secrets = both_ways(found.group("password") or "")
+    if found.group("query") is not None:
+        _query_secrets(url, found.start("query"), spans, secrets)
+    _libpq_parse(url, secrets)
     return Cut(url, tuple(spans), tuple(dict.fromkeys(secrets)))
 
 
@@ -214,14 +192,6 @@ def _query_secrets(url: str, start: int, spans: list[Span], secrets: list[str]) 
         q += len(item) + 1
 
 
-def _libpq_parses(url: str) -> bool:
-    try:
-        conninfo.conninfo_to_dict(url)
-    except Exception:
-        return False
-    return True
-
-
 def _check_port(port: str, secrets: list[str]) -> None:
     """libpq takes any text as a port until it connects: check it now."""
     for text in port.split(","):
@@ -232,97 +202,42 @@ def _check_port(port: str, secrets: list[str]) -> None:
             raise Malformed("the port is out of range (1 to 65535)", secrets)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Item:
-    """One ``key=value`` of a libpq connection string."""
-
-    key: str
-    #: Where the value is written, quotes included.
-    span: Span
-    value: str
-
-
-def _keyword_items(dsn: str) -> list[_Item]:
-    """Split a ``key=value`` string exactly as libpq's ``conninfo_parse`` does."""
-    items: list[_Item] = []
-    secrets: list[str] = []
-    i, n = 0, len(dsn)
-    while i < n:
-        if dsn[i] in SPACES:
-            i += 1
-            continue
-        key_start = i
-        while i < n and dsn[i] != "=" and dsn[i] not in SPACES:
-            i += 1
-        key = dsn[key_start:i]
-        while i < n and dsn[i] in SPACES:
-            i += 1
-        if i >= n or dsn[i] != "=":
-            if not items:
-                raise Malformed("neither a postgresql:// URL nor key=value pairs", secrets)
-            last = items[-1].key
-            after = f" after the value of {last}" if last in _libpq_keywords() else ""
-            raise Malformed(
-                f"the {_ordinal(len(items) + 1)} item{after} has no '=' (a value with "
-                "spaces must be single-quoted: key='a b', with \\' for a quote)", secrets)
-        i += 1
-        while i < n and dsn[i] in SPACES:
-            i += 1
-        value, end = _keyword_value(dsn, i)
-        if value is None:
-            if key in SECRET_KEYWORDS:
-                secrets.append(dsn[i:])
-            what = f"the value of {key}" if key in _libpq_keywords() else "a value"
-            raise Malformed(f"{what} has no closing quote (a quote inside a quoted value is "
-                             "written \\')", secrets)
-        items.append(_Item(key, (i, end), value))
-        if key in SECRET_KEYWORDS:
-            secrets += [value, dsn[i:end]]
-        i = end
-    return items
-
-
-def _keyword_value(dsn: str, i: int) -> tuple[str | None, int]:
-    """The value starting at ``i`` and where it ends; None when a quote is not closed."""
-    n = len(dsn)
-    quoted = i < n and dsn[i] == "'"
-    if quoted:
-        i += 1
-    value: list[str] = []
-    while i < n:
-        c = dsn[i]
-        if c == "\\":
-            if i + 1 < n:
-                value.append(dsn[i + 1])
-            i += 2
-        elif quoted and c == "'":
-            return "".join(value), i + 1
-        elif not quoted and c in SPACES:
-            break
-        else:
-            value.append(c)
-            i += 1
-    if quoted:
-        return None, n
-    return "".join(value), min(i, n)
-
-
-def _cut_database_keywords(dsn: str) -> Cut:
+def _cut_keywords(dsn: str) -> Cut:
     """Cut a libpq ``key=value`` string; the values of :data:`SECRET_KEYWORDS` are secret."""
-    items = _keyword_items(dsn)
-    secret_items = [item for item in items if item.key in SECRET_KEYWORDS]
-    secrets = [s for item in secret_items
-               for s in (item.value, dsn[item.span[0]:item.span[1]]) if s]
-    for i, item in enumerate(items, 1):
-        if item.key not in _libpq_keywords():
-            hint = (f" (libpq's are lower case: {item.key.lower()})"
-                    if item.key.lower() in _libpq_keywords()
-                    else " (a value with spaces must be single-quoted: key='a b')")
+    spans: list[Span] = []
+    secrets: list[str] = []
+    keys: list[str] = []
+    pos = 0
+    while dsn[pos:].strip(SPACES):
+        item = _ITEM.match(dsn, pos)
+        assert item is not None  # every part may be empty
+        key, value = item.group("key"), item.group("value")
+        what = f"the value of {key}" if key in _libpq_keywords() else "a value"
+        if value is None:
+            if not keys:
+                raise Malformed("neither a postgresql:// URL nor key=value pairs", secrets)
+            after = f" after the value of {keys[-1]}" if keys[-1] in _libpq_keywords() else ""
+            raise Malformed(
+                f"the {_ordinal(len(keys) + 1)} item{after} has no '=' (a value with "
+                "spaces must be single-quoted: key='a b', with \\' for a quote)", secrets)
+        quoted = value.startswith("'")
+        if key in SECRET_KEYWORDS:
+            inner = value[1:len(value) - bool(item.group("close"))] if quoted else value
+            decoded = re.sub(r"\\(.?)", r"\1", inner, flags=re.S)
+            secrets += [s for s in (decoded, value) if s]
+            spans.append(item.span("value"))
+        if quoted and item.group("close") is None:
+            raise Malformed(f"{what} has no closing quote (a quote inside a quoted value is "
+                            "written \\')", secrets)
+        keys.append(key)
+        pos = item.end()
+    for i, key in enumerate(keys, 1):
+        if key not in _libpq_keywords():
+            hint = (f" (libpq's are lower case: {key.lower()})" if key.lower() in
+                    _libpq_keywords() else " (a value with spaces must be single-quoted: "
+                    "key='a b')")
             raise Malformed(f"the {_ordinal(i)} item is not a libpq connection parameter"
-                             + hint, secrets)
-    try:
-        params = conninfo.conninfo_to_dict(dsn)
-    except Exception as exc:
-        raise Malformed(_libpq_refusal(exc), secrets) from None
-    _check_port(str(params.get("port") or ""), secrets)
-    return Cut(dsn, tuple(item.span for item in secret_items), tuple(dict.fromkeys(secrets)))
+                            + hint, secrets)
+    params = _libpq_parse(dsn, secrets)
+    _check_port(params.get("port", ""), secrets)
+    return Cut(dsn, tuple(spans), tuple(dict.fromkeys(secrets)))

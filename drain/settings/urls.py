@@ -40,13 +40,13 @@ so they are never passed on: drain checks each part first, and of any other
 libpq refusal keeps only the words before its first quote.
 
 Free text (a driver's error message, a log line) goes through :func:`scrub`:
-the URLs in it are masked by structure (the password of a ``scheme://...``
-word runs from the first ``:`` to its last ``@``), so are ``password=...``
-pairs; and only then are the passwords themselves replaced wherever they
-appear, those of :data:`SCRUB_MIN_LENGTH` characters or more and not part of
-the URL's readable parts (a password equal to the user name stays, as the user
-name does). A shorter one is left to the structural masking: replacing it
-would mangle the text, and reveal it.
+the passwords themselves are replaced wherever they appear, the URLs in it
+are masked by structure (the password of a ``scheme://...`` word runs from
+the first ``:`` to its last ``@``), so are ``password=...`` pairs, and the
+passwords are replaced once more; those of :data:`SCRUB_MIN_LENGTH`
+characters or more and not part of the URL's readable parts (a password
+equal to the user name stays, as the user name does). A shorter one is left
+to the structural masking: replacing it would mangle the text, and reveal it.
 
 Broker lists
 ------------
@@ -68,7 +68,7 @@ import re
 import socket
 import ssl
 from collections.abc import Callable, Sequence
-from urllib.parse import unquote, urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 import pika
 
@@ -96,13 +96,10 @@ class _BrokerUrl:
     """A broker URL cut as kombu cuts it (user name and password still escaped)."""
 
     cut: Cut
-    scheme: str
     username: str | None
     password: str | None
-    hostname: str | None
-    port: int | None
-    path: str
-    query: str
+    #: What follows the user name and password, as urllib reads it (port checked).
+    rest: SplitResult
 
 
 def _cut_broker(url: str) -> _BrokerUrl:
@@ -115,11 +112,8 @@ def _cut_broker(url: str) -> _BrokerUrl:
     end = min([i for i in (url.find(c, start) for c in "/?#") if i >= 0], default=n)
     at = url.rfind("@", start, end)
     greedy = last_userinfo_at(url, start)
-    candidates = []
-    if at >= 0:
-        candidates += both_ways(password_of(url[start:at]))
-    if greedy is not None:
-        candidates += both_ways(password_of(url[start:greedy]))
+    candidates = [s for stop in (at, greedy) if stop is not None and stop >= 0
+                  for s in both_ways(password_of(url[start:stop]))]
     if greedy is not None and greedy > end:
         raise Malformed(
             escape_advice(url[start:greedy], BROKER_BREAKS, "virtual host"), candidates
@@ -134,7 +128,16 @@ def _cut_broker(url: str) -> _BrokerUrl:
         if colon:
             password = password_text
             spans = ((start + len(username) + 1, at),)
-    parts = _split_host(scheme.group(1), url[at + 1 if at >= 0 else start:], candidates)
+    try:  # urllib's errors quote the URL: never shown
+        rest = urlsplit(f"{scheme.group(1)}://{url[at + 1 if at >= 0 else start:]}")
+        rest.port  # noqa: B018 - checked now, as kombu reads it later
+    except ValueError as exc:
+        text = str(exc)
+        reason = ("the port is out of range (0 to 65535)" if "Port out of range" in text else
+                  "the port is not a number" if "Port" in text else
+                  "the host is not a valid IPv6 address in [ ]" if "IPv6" in text else
+                  "the host is malformed")
+        raise Malformed(reason, candidates) from None
     secrets = both_ways(password or "")
     fragment = url.find("#", end)
     fragment = n if fragment < 0 else fragment
@@ -144,35 +147,7 @@ def _cut_broker(url: str) -> _BrokerUrl:
             if unquote(found.group(1)) in SECRET_KEYWORDS:
                 spans += ((query + 1 + found.start(2), query + 1 + found.end(2)),)
                 secrets += both_ways(found.group(2))
-    cut = Cut(url, spans, tuple(secrets))
-    return _BrokerUrl(cut, scheme.group(1).lower(), username, password, parts.hostname,
-                      parts.port, parts.path, parts.query)
-
-
-@dataclasses.dataclass(frozen=True)
-class _HostPart:
-    hostname: str | None
-    port: int | None
-    path: str
-    query: str
-
-
-def _split_host(scheme: str, rest: str, secrets: list[str]) -> _HostPart:
-    """What follows a broker URL's user name and password, split by urllib."""
-    try:
-        parts = urlsplit(f"{scheme}://{rest}")
-        return _HostPart(parts.hostname, parts.port, parts.path, parts.query)
-    except ValueError as exc:  # its text quotes the URL: never shown
-        text = str(exc)
-        if "Port out of range" in text:
-            reason = "the port is out of range (0 to 65535)"
-        elif "Port" in text:
-            reason = "the port is not a number"
-        elif "IPv6" in text:
-            reason = "the host is not a valid IPv6 address in [ ]"
-        else:
-            reason = "the host is malformed"
-        raise Malformed(reason, secrets) from None
+    return _BrokerUrl(Cut(url, spans, tuple(secrets)), username, password, rest)
 
 
 # -- broker lists (Celery's failover syntax) -----------------------------------------
@@ -329,17 +304,22 @@ def _mask_loose(url: str) -> str:
 
 
 def scrub(text: str, secrets: list[str]) -> str:
-    """Mask the URLs and ``password=`` pairs in ``text``, then the long ``secrets``.
+    """Mask the long ``secrets``, the URLs and ``password=`` pairs in ``text``, and
+    the secrets again.
 
     The URLs and pairs are masked by structure (see the module's docstring);
     a secret is replaced wherever it appears only when it is at least
-    :data:`SCRUB_MIN_LENGTH` long. Other text is left as it is.
+    :data:`SCRUB_MIN_LENGTH` long. Other text is left as it is. The secrets go
+    first too: a URL in free text ends at a space, so one whose password holds
+    a space would otherwise be cut there and the password's tail kept.
     """
+    long = sorted({s for s in secrets if len(s) >= SCRUB_MIN_LENGTH}, key=len, reverse=True)
+    for secret in long:
+        text = text.replace(secret, MASK)
     text = _URL_IN_TEXT.sub(lambda m: _mask_loose(m.group(0)), text)
     text = _SECRET_IN_TEXT.sub(lambda m: m.group(1) + m.group(2) + MASK, text)
-    for secret in sorted(set(secrets), key=len, reverse=True):
-        if len(secret) >= SCRUB_MIN_LENGTH:
-            text = text.replace(secret, MASK)
+    for secret in long:
+        text = text.replace(secret, MASK)
     return text
 
 
@@ -395,26 +375,26 @@ def broker_parameters(
         parts = _cut_broker(url)
     except Malformed as exc:
         raise ConfigError(f"malformed broker URL: {exc.reason}") from None
-    shown = parts.cut.masked()
-    if parts.scheme not in ("amqp", "amqps", "pyamqp"):
+    shown, rest = parts.cut.masked(), parts.rest
+    if rest.scheme not in ("amqp", "amqps", "pyamqp"):
         raise ConfigError(f"broker URL {shown} must start with amqp:// or amqps://")
-    if not parts.hostname:
+    if not rest.hostname:
         raise ConfigError(f"broker URL {shown} names no host")
-    if parts.query:
+    if rest.query:
         raise ConfigError(
             f"broker URL {shown.split('?', 1)[0]}?...: query parameters are not supported"
         )
-    if tls is None and parts.scheme == "amqps":
+    if tls is None and rest.scheme == "amqps":
         tls = ssl.create_default_context()
-    path = parts.path[1:] if parts.path.startswith("/") else parts.path
+    path = rest.path[1:] if rest.path.startswith("/") else rest.path
     vhost = unquote(path) if path else "/"
     credentials = pika.PlainCredentials(
         unquote(parts.username) if parts.username else "guest",
         unquote(parts.password) if parts.password else "guest",
     )
     return pika.ConnectionParameters(
-        host=parts.hostname,
-        port=parts.port or (5671 if tls is not None else 5672),
+        host=rest.hostname,
+        port=rest.port or (5671 if tls is not None else 5672),
         virtual_host=vhost,
         credentials=credentials,
         heartbeat=heartbeat,
@@ -423,6 +403,6 @@ def broker_parameters(
         socket_timeout=5,
         stack_timeout=10,
         client_properties={"connection_name": f"drain@{socket.gethostname()}"},
-        ssl_options=(pika.SSLOptions(tls, server_hostname or parts.hostname)
+        ssl_options=(pika.SSLOptions(tls, server_hostname or rest.hostname)
                      if tls is not None else None),
     )
