@@ -32,6 +32,7 @@ import pika.exceptions
 from pika.adapters.select_connection import SelectConnection
 
 from drain.broker.broker_list import Broker, BrokerList
+from drain.broker.corked import CorkedTransport, CorkingIOServices
 from drain.errors import BrokerRefused, BrokerUnavailable
 from drain.settings.urls import scrub
 
@@ -63,6 +64,8 @@ class AmqpLink:
         self._display_url = self.brokers.current.shown
         self._connect_timeout = connect_timeout
         self._conn: SelectConnection | None = None
+        #: The connection's I/O services (drain.broker.corked): its transport can be corked.
+        self._io: CorkingIOServices | None = None
         self._channel: Any = None
         self._ready = False
         self._failure: str | None = None
@@ -129,11 +132,13 @@ class AmqpLink:
         self._new_connection()
         self.blocked = None  # a new connection starts unblocked; the broker says if not
         try:
+            self._io = CorkingIOServices()
             self._conn = SelectConnection(
                 self._parameters,
                 on_open_callback=self._on_connection_open,
                 on_open_error_callback=self._on_connection_open_error,
                 on_close_callback=self._on_connection_closed,
+                custom_ioloop=self._io,
             )
             self._conn.add_on_connection_blocked_callback(self._on_blocked)
             self._conn.add_on_connection_unblocked_callback(self._on_unblocked)
@@ -153,6 +158,7 @@ class AmqpLink:
     def close(self) -> None:
         """Close the connection (if any); never raises."""
         conn, self._conn = self._conn, None
+        self._io = None
         self._channel = None
         self._ready = False
         self.blocked = None  # a block belongs to its connection
@@ -264,6 +270,11 @@ class AmqpLink:
     def _wake(self) -> None:
         if self._done() and self._conn is not None:
             self._conn.ioloop.stop()
+
+    @property
+    def transport(self) -> CorkedTransport | None:
+        """The open connection's transport (drain.broker.corked), or None."""
+        return self._io.transport if self._io is not None and self._conn is not None else None
 
     def _turn(self, seconds: float) -> None:
         """Turn the I/O loop once (writes, confirms, heartbeats), for up to ``seconds``."""

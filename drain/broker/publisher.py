@@ -8,10 +8,10 @@ loop until every delivery tag of that batch is acked or nacked, the
 connection dies, or the confirm timeout passes. Two batches can be in flight,
 so the drain publishes the next batch while the broker confirms the previous
 one. The frames of a batch are joined into a few large writes before the loop
-turns (pika would send each frame with its own system call: +10 % msg/s
-measured). Nothing runs in the background: the I/O loop only turns inside
-``connect``, ``wait`` and ``pump`` (which the drain calls while idle, so
-heartbeats keep flowing).
+turns (pika would send each frame with its own system call), through the
+corkable transport of drain.broker.corked. Nothing runs in the background: the
+I/O loop only turns inside ``connect``, ``wait`` and ``pump`` (which the drain
+calls while idle, so heartbeats keep flowing).
 
 The connection's life (opening, closing, turning the I/O loop, the broker's
 alarms, error texts) is :class:`drain.broker.amqp_link.AmqpLink`'s, and declaring the
@@ -45,7 +45,6 @@ worst, never a row deleted for a message the broker dropped.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -62,39 +61,6 @@ from drain.broker.refusal import ACKED, NACKED, RESOLVED, RETURNED, Refusal, Ref
 from drain.errors import BrokerBlocked, BrokerUnavailable, QueueDeclareRefused
 
 log = logging.getLogger("drain.publisher")
-
-#: pika queues each AMQP frame on its own and sends each with its own send()
-#: call: three per message. Before the I/O loop turns, the frames of a batch
-#: are joined into chunks of up to this many bytes (drain.broker.publisher.coalesce).
-COALESCE_BYTES = 128 * 1024
-
-
-def coalesce(conn: object, limit: int = COALESCE_BYTES) -> None:
-    """Join the frames pika has queued for sending into chunks of up to ``limit`` bytes.
-
-    The bytes and their order stay the same (the first buffer may be the rest of
-    a partial send; it stays first), and so does pika's count of buffered bytes;
-    only the number of send() calls drops, from three per message to a few per
-    batch. This reaches into pika's transport: where it is not what pika 1.3 and
-    1.4 have, nothing is done.
-    """
-    buffers = getattr(getattr(conn, "_transport", None), "_tx_buffers", None)
-    if not isinstance(buffers, collections.deque) or len(buffers) < 2:
-        return
-    chunks: list[bytes] = []
-    part: list[bytes] = []
-    size = 0
-    for data in buffers:
-        part.append(data)
-        size += len(data)
-        if size >= limit:
-            chunks.append(b"".join(part))
-            part, size = [], 0
-    if part:
-        chunks.append(b"".join(part))
-    buffers.clear()
-    buffers.extend(chunks)
-
 
 @dataclasses.dataclass(eq=False)
 class Batch:
@@ -219,6 +185,11 @@ class Publisher(RefusalProbingLink):
         self._base_tag += count
         self._inflight.append(batch)
         channel = self._channel
+        # pika sends each frame with its own send(): hold the batch's frames back and
+        # write them joined into a few chunks (drain.broker.corked).
+        transport = self.transport
+        if transport is not None:
+            transport.cork()
         try:
             for m in messages:
                 batch.messages.append(m)
@@ -231,6 +202,9 @@ class Publisher(RefusalProbingLink):
                 )
         except Exception as exc:
             self._failure = self._failure or self._text(exc)
+        finally:
+            if transport is not None:
+                transport.uncork()
         sent = len(batch.messages)
         if sent < count:
             # Fewer went out than announced (``messages`` skipped some, or the
@@ -241,7 +215,6 @@ class Publisher(RefusalProbingLink):
         # pika only writes when its I/O loop turns: send the batch now, not when
         # the next cycle waits for confirms (measured: ~2 ms of latency per job).
         if sent:
-            coalesce(self._conn)
             self._turn(0.0)
         return batch
 
