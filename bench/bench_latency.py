@@ -86,7 +86,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -120,7 +120,7 @@ def drain_probe(argv: list[str]) -> int:
         "confirm": [],  # (t, generation, delivery_tag, multiple, ack)
         "wait": [],     # (t_before, t_after, batch_size)
         "tx": [],       # (t_begin, t_committed, [deleted row ids])
-        "idle": [],     # (t_before, t_after, notified, NOTIFYs queued before)
+        "idle": [],     # (t_before, t_after, notified, NOTIFYs waiting at the start)
         "query": [],    # (t_before, t_after, query name): every statement but BEGIN/COMMIT
     }
     now = time.time
@@ -128,7 +128,10 @@ def drain_probe(argv: list[str]) -> int:
     fetch_before, start_before = Store.fetch, Publisher.start
     confirm_before, wait_before = Publisher._on_confirm, Publisher.wait
     batch_before, delete_before, idle_before = Store.batch, Store.delete, Store.wait
-    execute_before = Store._execute
+    execute_before, notified_before = Store._execute, Store._notified
+    # NOTIFYs each Store._notified call took (psycopg's Connection.notifies), since
+    # the idle wait began.
+    taken: list[int] = []
 
     def fetch(self: Any, *args: Any, **kwargs: Any) -> Any:
         t0 = now()
@@ -167,11 +170,21 @@ def drain_probe(argv: list[str]) -> int:
         deleting.extend(rows)  # {id: xact}: the ids
         return delete_before(self, rows, *args, **kwargs)
 
+    def notified(self: Any, conn: Any) -> Any:
+        counting = CountingNotifies(conn)
+        proxy: Any = counting  # stands in for the psycopg connection
+        try:
+            return notified_before(self, proxy)
+        finally:
+            taken.append(counting.count)
+
     def idle(self: Any, *args: Any, **kwargs: Any) -> Any:
         t0 = now()
-        # NOTIFYs psycopg queued while the connection ran other queries (private).
-        queued = len(getattr(self._conn, "_notifies_backlog", None) or ())
+        taken.clear()
         notified = idle_before(self, *args, **kwargs)
+        # The wait first takes, without blocking, the NOTIFYs that arrived while the
+        # connection ran the batch's queries (psycopg keeps them) or sit unread.
+        queued = taken[0] if taken else 0
         rec["idle"].append((t0, now(), notified, queued))
         return notified
 
@@ -189,6 +202,7 @@ def drain_probe(argv: list[str]) -> int:
     Store.batch = batch  # type: ignore[method-assign]
     Store.delete = delete  # type: ignore[method-assign]
     Store.wait = idle  # type: ignore[method-assign]
+    Store._notified = notified  # type: ignore[method-assign]
 
     def dump() -> None:
         data = dict(rec)
@@ -199,6 +213,22 @@ def drain_probe(argv: list[str]) -> int:
 
     atexit.register(dump)
     return int(cli.main(argv))
+
+
+class CountingNotifies:
+    """A psycopg connection whose ``notifies()`` counts the notifications it yields."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.count = 0
+
+    def notifies(self, **kwargs: Any) -> Iterator[Any]:
+        for note in self.conn.notifies(**kwargs):
+            self.count += 1
+            yield note
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.conn, name)
 
 
 # -- the consumer and the stagers (child processes) ------------------------------------
@@ -448,7 +478,7 @@ def probe_loop(probe: dict[str, Any], start: float, end: float) -> dict[str, Any
         "idle_waits": len(idles),
         "idle_waits_ended_by_notify": sum(1 for i in idles if i[2]),
         "idle_wait_ms": quantiles([1000 * (i[1] - i[0]) for i in idles]),
-        # psycopg's queue of NOTIFYs received during other queries, at each idle wait.
+        # NOTIFYs already waiting (received during other queries) at each idle wait.
         "notifies_queued_at_idle": quantiles([i[3] for i in idles if len(i) > 3]),
         "queries_ms": {
             name: {"count": len(times), **quantiles(times)}
@@ -784,7 +814,7 @@ def report(r: dict[str, Any], left_staged: int) -> None:
             for name, q in loop["queries_ms"].items()))
         queued = loop["notifies_queued_at_idle"]
         if queued["max"] == queued["max"]:  # not NaN
-            print(f"     NOTIFYs queued in psycopg at an idle wait: p50 {queued['p50']:.0f}, "
+            print(f"     NOTIFYs waiting at an idle wait: p50 {queued['p50']:.0f}, "
                   f"max {queued['max']:.0f}")
     print(f"   lost = {r['lost']} (not confirmed {r.get('not_confirmed', 'n/a')}, not "
           f"delivered {r.get('not_delivered', 'n/a')}; staged rows left at the end of the "
