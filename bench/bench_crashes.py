@@ -38,8 +38,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import bench_common as bc
 import bench_throughput as bt
+import harness as bc
 import psycopg
 
 import drain

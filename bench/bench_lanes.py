@@ -71,15 +71,15 @@ from drain.postgres.rows import StagedRow
 from drain.settings.urls import broker_parameters
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_common import (
+from bench_memory import BROKER_BYTES_PER_MESSAGE, broker_memory
+from bench_throughput import raw_pika
+from harness import (
     BROKER_URL,
     declare_queue,
     delete_queue,
     drop_database,
     fresh_database,
 )
-from bench_memory import BROKER_BYTES_PER_MESSAGE, broker_memory
-from bench_throughput import raw_pika
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "lanes.json"

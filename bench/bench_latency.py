@@ -693,7 +693,7 @@ def one_rate(args: argparse.Namespace, rate: float, url: str, queue: str, *,
 
 def run(args: argparse.Namespace, rates: list[float]) -> Outcome:
     sys.path.insert(0, HERE)
-    from bench_common import (
+    from harness import (
         BROKER_URL,
         declare_queue,
         delete_queue,

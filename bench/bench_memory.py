@@ -59,7 +59,7 @@ import psycopg
 from drain.settings.urls import broker_parameters
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_common import (
+from harness import (
     BROKER_URL,
     declare_queue,
     delete_queue,

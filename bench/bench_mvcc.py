@@ -65,7 +65,7 @@ from drain.settings.config import Settings
 from drain.settings.urls import broker_parameters
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (
+from harness import (
     BROKER_URL,
     declare_queue,
     delete_queue,

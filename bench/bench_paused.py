@@ -31,7 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import bench_common as bc
+import harness as bc
 import psycopg
 
 import drain

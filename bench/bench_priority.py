@@ -37,7 +37,7 @@ from drain.postgres.rows import StagedRow
 from drain.settings.config import Settings
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_common import (
+from harness import (
     BROKER_URL,
     declare_queue,
     delete_queue,

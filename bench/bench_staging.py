@@ -48,7 +48,8 @@ from typing import Any
 import psycopg
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_common import (
+from cpu import process_seconds
+from harness import (
     BROKER_URL,
     RESULTS,
     ROOT,
@@ -58,7 +59,6 @@ from bench_common import (
     drop_database,
     fresh_database,
 )
-from cpu import process_seconds
 
 GOAL = 0.95
 VARIANTS = ("shipped", "notify", "none")

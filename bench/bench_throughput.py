@@ -48,29 +48,27 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
+import functools
 import gc
 import os
 import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import cpu
+import harness
 import pika
 import psycopg
-from bench_common import (
+from harness import (
     BROKER_URL,
-    ROOT,
     declare_queue,
     declare_routed,
     delete_queue,
     delete_routed,
-    drop_database,
-    fresh_database,
     stage,
-    write_results,
 )
 from pika.adapters.select_connection import SelectConnection
 from throughput_apps import (
@@ -155,16 +153,11 @@ def raw_pika(messages: list[Message], *, pre_encoded: bool = False,
     return float(state["t1"] - state["t0"])
 
 
-def routed_round(messages: list[Message], queue: str,
-                 encoded_times: dict[int, list[float]]) -> float:
-    """Raw pika through a direct exchange to ``queue``, pre-encoded, at the window
-    that was best in this round; its seconds."""
-    best = min(encoded_times, key=lambda w: encoded_times[w][-1])
-    declare_routed(queue)
-    try:
-        return raw_pika(messages, pre_encoded=True, window=best, routed_to=queue)
-    finally:
-        delete_routed(queue)
+def drain_round(url: str, n: int, size: tuple[int, int]) -> float:
+    """``Drain.run`` over the ``n`` staged rows at ``size`` (batch, pipeline); its seconds."""
+    elapsed, published = run_drain(url, *size)
+    assert published == n, (published, n)
+    return elapsed
 
 
 def celery_send_task(n: int, queue: str) -> float:
@@ -233,6 +226,23 @@ def summary_rows(n: int, drain_rate: float, raw_rate: float, celery_rate: float)
     ]
 
 
+def print_rates(args: argparse.Namespace, rates: dict[str, float], counts: dict[str, int],
+                best_raw: str) -> None:
+    ceiling, celery, drain_rate = rates[best_raw], rates[CELERY], rates[
+        f"drain run (batch {args.batch_size}, pipeline {args.pipeline}), staged -> deleted"]
+    print(f"\nthroughput, {args.jobs} jobs, median of {args.rounds} alternating rounds, "
+          f"{os.cpu_count()} cores, loopback broker, persistent messages\n")
+    w = max(len(name) for name in rates)
+    print(f"| {'publisher':<{w}} | {'jobs':>7} | {'msg/s':>8} | {'x raw':>6} | {'x celery':>8} |")
+    print(f"|{'-' * (w + 2)}|{'-' * 9}|{'-' * 10}|{'-' * 8}|{'-' * 10}|")
+    for name, rate in rates.items():
+        print(f"| {name:<{w}} | {counts[name]:>7} | {rate:>8.0f} | "
+              f"{rate / ceiling:>6.2f} | {rate / celery:>8.1f} |")
+    print(f"\nthe ceiling: {best_raw}")
+    print(f"drain / raw ceiling = {drain_rate / ceiling:.2f} (goal >= {GOAL_X_RAW}), "
+          f"drain / celery = {drain_rate / celery:.1f} (goal >= {GOAL_X_CELERY:g})")
+
+
 def print_overhead(rates: dict[str, float], drain_rate: float) -> None:
     """The drain against raw pika with the drain's encoder at the same window, when
     that window was measured (--windows may leave it out)."""
@@ -243,8 +253,8 @@ def print_overhead(rates: dict[str, float], drain_rate: float) -> None:
               "(the drain's own overhead: Postgres fetch, delete and commit)")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args() -> argparse.Namespace:
+    parser = harness.parser(__doc__, rounds=3)
     parser.add_argument("--jobs", type=int,
                         default=int(os.environ.get("BENCH_JOBS", str(GOAL_JOBS))),
                         help=f"backlog size (env BENCH_JOBS, default {GOAL_JOBS}: the goal's)")
@@ -261,8 +271,6 @@ def main() -> int:
     parser.add_argument("--windows", default="500,1000,2000,5000,10000",
                         help="confirm windows swept for raw pika with pre-encoded properties; "
                         "the best is the ceiling (default 500,1000,2000,5000,10000)")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="raw and drain alternate this many times; medians are reported")
     parser.add_argument("--profile", action="store_true",
                         help="one more drain round as a subprocess under py-spy: where the "
                         "time goes")
@@ -273,147 +281,108 @@ def main() -> int:
                         help="drain --app rounds, routed by bench/bench_app.py's apps: "
                         "static (mapping task_routes), function (a router function); "
                         "'' for none (default static,function)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="a tiny run without the profile (checks the bench works; no "
-                        "figures)")
     args = parser.parse_args()
     if args.smoke:
         smoke(args)
-    n = args.jobs
-    tag = uuid.uuid4().hex[:8]
-    db = f"drain_bench_{tag}"
-    url = fresh_database(db)
-    queues = {k: f"bench_{k}_{tag}" for k in ("raw", "celery", "drain", "app")}
-    # bench_app reads it when the first --app round loads it.
-    os.environ["BENCH_APP_QUEUE"] = queues["app"]
-    apps: list[str] = args.apps
-    app_times: dict[str, list[float]] = {a: [] for a in apps}
-    routed_times: list[float] = []
-    results: dict[str, tuple[int, float]] = {}
+    return args
+
+
+def prebuilt_messages(url: str, n: int, queue: str) -> list[Message]:
+    """The exact messages the drain would publish, built from ``n`` staged rows."""
+    stage(url, n, queue)
+    with psycopg.connect(url) as conn:
+        rows = conn.execute(
+            "SELECT id, task_id, task_name, args::text, kwargs::text, queue "
+            "FROM staged_jobs ORDER BY id"
+        ).fetchall()
+        conn.execute("DELETE FROM staged_jobs")
+    origin = message.origin()
+    return [message.build(StagedRow(*r), origin=origin, reply_to=str(uuid.uuid4()))
+            for r in rows]
+
+
+def main() -> int:
+    args = parse_args()
+    n, apps = args.jobs, args.apps
     quoted = (args.batch_size, args.pipeline)
-    sizes = list(dict.fromkeys([
-        quoted,
-        *(parse_setting(m) for m in args.more.split(",") if m),
-    ]))
-    names = {(b, p): f"drain run (batch {b}, pipeline {p}), staged -> deleted"
-             for b, p in sizes}
-    drain_name = names[quoted]
-    raw_times: list[float] = []
+    sizes = list(dict.fromkeys([quoted, *(parse_setting(m) for m in args.more.split(",") if m)]))
+    names = {(b, p): f"drain run (batch {b}, pipeline {p}), staged -> deleted" for b, p in sizes}
     windows = [int(w) for w in args.windows.split(",")]
-    encoded_times: dict[int, list[float]] = {w: [] for w in windows}
-    drain_times: dict[tuple[int, int], list[float]] = {b: [] for b in sizes}
+    encoded = {w: f"{ENCODED}, window {w}" for w in windows}
+    times = harness.Samples()  # seconds per round, by name
     cpu_used: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
+    counts: dict[str, int] = {}
     profile: dict[str, Any] | None = None
-    try:
-        # The exact messages the drain would publish, built from staged rows.
-        stage(url, n, queues["raw"])
-        with psycopg.connect(url) as conn:
-            rows = conn.execute(
-                "SELECT id, task_id, task_name, args::text, kwargs::text, queue "
-                "FROM staged_jobs ORDER BY id"
-            ).fetchall()
-            conn.execute("DELETE FROM staged_jobs")
-        origin = message.origin()
-        messages = [
-            message.build(StagedRow(*r), origin=origin, reply_to=str(uuid.uuid4()))
-            for r in rows
-        ]
-        del rows
+    with harness.Setup("throughput") as setup:
+        url = setup.database()
+        queues = {k: setup.queue(k, declare=False, routed=k == "app")
+                  for k in ("raw", "celery", "drain", "app")}
+        # bench_app reads it when the first --app round loads it.
+        os.environ["BENCH_APP_QUEUE"] = queues["app"]
+        messages = prebuilt_messages(url, n, queues["raw"])
         # The raw rounds' 200,000 prebuilt messages (a million objects) would
         # otherwise sit in the collector's oldest generation through every round
         # and make each full collection in the drain rounds walk them: +5 to 9 us
         # of drain CPU per message, a cost of the benchmark, not of the drain.
         gc.collect()
         gc.freeze()
+
+        def timed(name: str, run: Callable[[], float], queue: str = "") -> None:
+            """One timed run into a fresh ``queue`` (none: it declares its own), CPU too."""
+            if queue:
+                declare_queue(queue)
+            before = cpu.sample()
+            times.add(name, run())
+            cpu_used[name].append(cpu.per_message(before, cpu.sample(), n))
+            if queue:
+                delete_queue(queue)
+
         def plain_rounds() -> None:
             for size in sizes:
                 stage(url, n, queues["drain"], vacuum=True)
-                declare_queue(queues["drain"])
-                before = cpu.sample()
-                elapsed, published = run_drain(url, *size)
-                cpu_used[names[size]].append(cpu.per_message(before, cpu.sample(), n))
-                assert published == n, (published, n)
-                drain_times[size].append(elapsed)
-                delete_queue(queues["drain"])
+                timed(names[size], functools.partial(drain_round, url, n, size),
+                      queues["drain"])
 
         def app_rounds() -> None:
-            # Their ceiling: raw pika through the same kind of exchange.
-            routed_times.extend([routed_round(messages, queues["app"], encoded_times)]
-                                if apps else [])
+            if apps:  # their ceiling: raw pika through the same kind of exchange
+                best = min(windows, key=lambda w: times[encoded[w]][-1])
+                declare_routed(queues["app"])
+                times.add(ROUTED, raw_pika(messages, pre_encoded=True, window=best,
+                                           routed_to=queues["app"]))
+                delete_routed(queues["app"])
             for app in apps:
-                app_times[app].append(app_round(url, n, queues["app"], app, size=quoted,
-                                                cpu_used=cpu_used))
+                times.add(APPS[app], app_round(url, n, queues["app"], app, size=quoted,
+                                               cpu_used=cpu_used))
 
         for round_ in range(args.rounds):
             declare_queue(queues["raw"])
-            raw_times.append(raw_pika(messages))
+            times.add(RAW, raw_pika(messages))
             delete_queue(queues["raw"])
             for window in windows:
-                declare_queue(queues["raw"])
-                before = cpu.sample()
-                encoded_times[window].append(raw_pika(messages, pre_encoded=True,
-                                                      window=window))
-                cpu_used[f"{ENCODED}, window {window}"].append(
-                    cpu.per_message(before, cpu.sample(), n))
-                delete_queue(queues["raw"])
-
-            # The drain rounds and the --app rounds take turns going first, so that
-            # neither always runs on a machine the other has just warmed or tired.
-            parts = [plain_rounds, app_rounds]
-            for part in parts if round_ % 2 == 0 else parts[::-1]:
+                timed(encoded[window], functools.partial(raw_pika, messages, pre_encoded=True,
+                                                         window=window), queues["raw"])
+            # The drain rounds and the --app rounds take turns going first.
+            for part in harness.turns(round_, [plain_rounds, app_rounds]):
                 part()
-            sweep = ", ".join(f"{w}: {n / t[-1]:.0f}" for w, t in encoded_times.items())
-            print(f"round {round_ + 1}: raw {n / raw_times[-1]:.0f} msg/s, "
-                  f"raw pre-encoded by window {{{sweep}}} msg/s, "
-                  "drain by batch x pipeline {"
-                  + ", ".join(f"{b}x{p}: {n / t[-1]:.0f}" for (b, p), t in drain_times.items())
-                  + "} msg/s"
-                  + "".join(f", --app {a} {n / t[-1]:.0f} msg/s" for a, t in app_times.items())
-                  + "".join(f", raw via exchange {n / t:.0f} msg/s" for t in routed_times[-1:]),
-                  file=sys.stderr)
+            print(f"round {round_ + 1}: " + ", ".join(
+                f"{name} {n / t[-1]:.0f}" for name, t in times.items()) + " msg/s",
+                file=sys.stderr)
         messages.clear()  # 200,000 messages: free them before the Celery round
-        results[RAW] = (n, statistics.median(raw_times))
-        for window, times in encoded_times.items():
-            results[f"{ENCODED}, window {window}"] = (n, statistics.median(times))
-        for size, times in drain_times.items():
-            results[names[size]] = (n, statistics.median(times))
-        results.update({APPS[a]: (n, statistics.median(t)) for a, t in app_times.items()})
-        results.update({ROUTED: (n, statistics.median(routed_times))} if routed_times else {})
-
-        cn = min(args.celery_jobs, n)
-        results[CELERY] = (cn, celery_send_task(cn, queues["celery"]))
+        counts[CELERY] = min(args.celery_jobs, n)
+        times.add(CELERY, celery_send_task(counts[CELERY], queues["celery"]))
         delete_queue(queues["celery"])
-
         if args.profile:
             print("profile round: python -m drain run under py-spy", file=sys.stderr)
             profile = profile_drain(url, n, queues["drain"], batch_size=args.batch_size,
                                     pipeline=args.pipeline, rate=args.profile_rate,
                                     top=args.top)
-    finally:
-        for q in queues.values():
-            with contextlib.suppress(Exception):
-                delete_queue(q)
-        with contextlib.suppress(Exception):
-            delete_routed(queues["app"])  # the app's exchange, declared by the drain
-        drop_database(db)
-
-    rates = {name: count / seconds for name, (count, seconds) in results.items()}
-    raw_names = [name for name in rates if name.startswith("raw pika") and name != ROUTED]
-    best_raw = max(raw_names, key=lambda name: rates[name])
-    ceiling = rates[best_raw]
-    celery = rates[CELERY]
-    drain_rate = rates[drain_name]
-    print(f"\nthroughput, {n} jobs, median of {args.rounds} alternating rounds, "
-          f"{os.cpu_count()} cores, loopback broker, persistent messages\n")
-    w = max(len(name) for name in rates)
-    print(f"| {'publisher':<{w}} | {'jobs':>7} | {'msg/s':>8} | {'x raw':>6} | {'x celery':>8} |")
-    print(f"|{'-' * (w + 2)}|{'-' * 9}|{'-' * 10}|{'-' * 8}|{'-' * 10}|")
-    for name, rate in rates.items():
-        print(f"| {name:<{w}} | {results[name][0]:>7} | {rate:>8.0f} | "
-              f"{rate / ceiling:>6.2f} | {rate / celery:>8.1f} |")
-    print(f"\nthe ceiling: {best_raw}")
-    print(f"drain / raw ceiling = {drain_rate / ceiling:.2f} (goal >= {GOAL_X_RAW}), "
-          f"drain / celery = {drain_rate / celery:.1f} (goal >= {GOAL_X_CELERY:g})")
+    counts.update({name: n for name in times if name not in counts})
+    rates = {name: counts[name] / seconds for name, seconds in times.medians().items()}
+    drain_rate = rates[names[quoted]]
+    best_raw = max((name for name in rates if name.startswith("raw pika") and name != ROUTED),
+                   key=lambda name: rates[name])
+    ceiling, celery = rates[best_raw], rates[CELERY]
+    print_rates(args, rates, counts, best_raw)
     print_overhead(rates, drain_rate)
     print_ratios(rates, apps)
     cpu_medians = {name: {key: statistics.median(run[key] for run in runs) for key in runs[0]}
@@ -421,37 +390,30 @@ def main() -> int:
     print_cpu(cpu_medians, rates)
     if profile is not None:
         print_profile(profile)
-
     summary = summary_rows(n, drain_rate, ceiling, celery)
     summary += app_rows(n, {app: rates[APPS[app]] for app in apps}, rates.get(ROUTED, ceiling))
-    path = write_results({
-        "name": "throughput-smoke" if args.smoke else "throughput",
-        "summary": [{**row, "met": None} for row in summary] if args.smoke else summary,
-        "details": {
-            "jobs": n,
-            "celery_jobs": results[CELERY][0],
-            "batch_size": args.batch_size,
-            "pipeline": args.pipeline,
-            "rounds": args.rounds,
-            "cores": os.cpu_count(),
-            "msg_per_s": {name: round(rate) for name, rate in rates.items()},
-            "rounds_msg_per_s": {
-                "raw": [round(n / t) for t in raw_times],
-                "raw_pre_encoded": {w: [round(n / t) for t in times]
-                                    for w, times in encoded_times.items()},
-                "drain": {f"{b}x{p}": [round(n / t) for t in times]
-                          for (b, p), times in drain_times.items()},
-                "drain_app": {a: [round(n / t) for t in times] for a, times in app_times.items()},
-                "raw_through_exchange": [round(n / t) for t in routed_times],
-            },
-            "drain_x_raw": round(drain_rate / ceiling, 3),
-            "ceiling": best_raw,
-            "drain_x_celery": round(drain_rate / celery, 2),
-            "cpu_per_message": cpu_medians,
-            "profile": profile,
+    per_round = {name: [round(n / t) for t in ts] for name, ts in times.items() if name != CELERY}
+    harness.write_results("throughput", summary, smoke=args.smoke, details={
+        "jobs": n,
+        "celery_jobs": counts[CELERY],
+        "batch_size": args.batch_size,
+        "pipeline": args.pipeline,
+        "rounds": args.rounds,
+        "cores": os.cpu_count(),
+        "msg_per_s": {name: round(rate) for name, rate in rates.items()},
+        "rounds_msg_per_s": {
+            "raw": per_round[RAW],
+            "raw_pre_encoded": {w: per_round[encoded[w]] for w in windows},
+            "drain": {f"{b}x{p}": per_round[names[b, p]] for b, p in sizes},
+            "drain_app": {a: per_round[APPS[a]] for a in apps},
+            "raw_through_exchange": per_round.get(ROUTED, []),
         },
+        "drain_x_raw": round(drain_rate / ceiling, 3),
+        "ceiling": best_raw,
+        "drain_x_celery": round(drain_rate / celery, 2),
+        "cpu_per_message": cpu_medians,
+        "profile": profile,
     })
-    print(f"\nwrote {path.relative_to(ROOT)}")
     return 0
 
 

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 import cpu
-from bench_common import BROKER_URL, declare_queue, delete_queue, queue_depth, stage
+from harness import BROKER_URL, declare_queue, delete_queue, queue_depth, stage
 
 from drain.daemon.runner import Drain
 from drain.settings.config import Settings

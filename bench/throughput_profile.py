@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from bench_common import BROKER_URL, RESULTS, ROOT, declare_queue, delete_queue, stage
+from harness import BROKER_URL, RESULTS, ROOT, declare_queue, delete_queue, stage
 
 #: "function (file:line)" as py-spy writes a frame.
 FRAME = re.compile(r"^(?P<function>.*) \((?P<file>[^()]*?)(?::\d+)?\)$")
