@@ -82,3 +82,20 @@ def per_message(before: Sample, after: Sample, messages: int) -> dict[str, float
         "all_us": round(us("own") + us("rabbitmq") + us("postgres"), 1),
         "machine_busy": round((after.busy - before.busy) / total, 3) if total > 0 else 0.0,
     }
+
+
+def rss_kib(pid: int) -> int | None:
+    """``pid``'s resident memory (VmRSS, KiB); None if gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def busy_share(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    """The machine's busy share between two :func:`machine_seconds` readings."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else None

@@ -203,14 +203,21 @@ def stop(procs: Sequence[subprocess.Popen[Any]], timeout: float = 30.0) -> None:
             proc.wait()
 
 
-def wait_until(condition: Callable[[], bool], timeout: float, what: str, *,
-               interval: float = 0.1) -> None:
-    """Poll ``condition`` until it holds; SystemExit naming ``what`` after ``timeout``."""
+def poll(condition: Callable[[], bool], timeout: float, *, interval: float = 0.1) -> bool:
+    """Poll ``condition`` until it holds (True) or ``timeout`` seconds pass (False)."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise SystemExit(f"{what}: not within {timeout:g} s")
+            return False
         time.sleep(interval)
+    return True
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str, *,
+               interval: float = 0.1) -> None:
+    """:func:`poll`; SystemExit naming ``what`` after ``timeout``."""
+    if not poll(condition, timeout, interval=interval):
+        raise SystemExit(f"{what}: not within {timeout:g} s")
 
 
 # -- rounds -------------------------------------------------------------------------------
