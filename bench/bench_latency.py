@@ -102,6 +102,8 @@ from latency_report import (
 )
 
 TASK_NAME = "bench.latency"
+#: --wait-quiet: the machine counts as quiet below this fraction of all cores busy.
+QUIET_BUSY = 0.25
 
 
 # -- inside the drain subprocess: the probe -------------------------------------------
@@ -320,24 +322,6 @@ def run_phase(schedule: Schedule, warmup: float, duration: float, drain_pid: int
                  cpu.busy_share(machine0, machine1), rss=(rss0, rss1))
 
 
-#: --wait-quiet: the machine counts as quiet below this fraction of all cores busy.
-QUIET_BUSY = 0.25
-
-
-def wait_quiet(limit: float) -> float | None:
-    """Wait up to ``limit`` seconds for a quiet machine; returns the last busy fraction
-    (over 2 s, before this bench's own stagers start; the idle drain is included)."""
-    give_up = time.time() + limit
-    busy = None
-    while limit > 0:
-        a = cpu.machine_seconds()
-        time.sleep(2.0)
-        busy = cpu.busy_share(a, cpu.machine_seconds())
-        if busy is None or busy < QUIET_BUSY or time.time() >= give_up:
-            break
-    return busy
-
-
 def start_consumer(broker_url: str, queue: str, stop: Any) -> tuple[Any, Any]:
     """The consumer process, consuming, and the end of the pipe it reports on."""
     ctx = mp.get_context("fork")
@@ -365,7 +349,7 @@ def one_rate(args: argparse.Namespace, rate: float, url: str, queue: str, *,
              drain_proc: subprocess.Popen[bytes], log_path: Path) -> Phase:
     """Stage at ``rate`` for the warm-up and the measured window; wait for the drain."""
     stagers = max(1, math.ceil(rate / 500)) if args.stagers == "auto" else int(args.stagers)
-    before = wait_quiet(args.wait_quiet)
+    before = cpu.wait_quiet(args.wait_quiet, QUIET_BUSY)
     print(f"{rate:g} jobs/s: {args.warmup:g}s warm-up + {args.duration:g}s measured, "
           f"{stagers} stager process(es)"
           + (f", machine {100 * before:.0f}% busy before" if before is not None else "")

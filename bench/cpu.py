@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
 
 TICK = float(os.sysconf("SC_CLK_TCK"))
@@ -99,3 +100,17 @@ def busy_share(before: tuple[float, float], after: tuple[float, float]) -> float
     """The machine's busy share between two :func:`machine_seconds` readings."""
     total = after[1] - before[1]
     return (after[0] - before[0]) / total if total > 0 else None
+
+
+def wait_quiet(limit: float, below: float) -> float | None:
+    """Wait up to ``limit`` seconds for the machine to be under ``below`` of all its cores
+    busy (over 2 s); the last busy share measured (None: not measured)."""
+    give_up = time.time() + limit
+    busy = None
+    while limit > 0:
+        a = machine_seconds()
+        time.sleep(2.0)
+        busy = busy_share(a, machine_seconds())
+        if busy is None or busy < below or time.time() >= give_up:
+            break
+    return busy
