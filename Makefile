@@ -5,9 +5,9 @@
 #   make demo       the end-to-end demo: stage, drain, run in a Celery worker; in .venv-demo,
 #                   drain's runtime dependencies only. DRAIN_DEMO_DATABASE, DRAIN_DEMO_QUEUE,
 #                   DRAIN_DEMO_METRICS_PORT... choose what it creates (celery_app/demo_setup.py)
-#   make test       the whole suite, in one process unless TEST_WORKERS=4 (pytest-xdist
-#                   workers; docs/development.md says why one is still the default); ARGS
-#                   are passed to pytest: make test ARGS='-k crash -x'
+#   make test       the whole suite, in TEST_WORKERS pytest-xdist workers (default 4; 0: one
+#                   process; docs/development.md, "Tests in parallel"); ARGS are passed
+#                   to pytest: make test ARGS='-k crash -x'
 #   make test-fast  the fast tier, in parallel: tests/unit and the tests/integration tests
 #                   that start no subprocess (marker fast, set in tests/conftest.py); a
 #                   minute or two, for the edit-test loop. make test stays the full suite
@@ -47,12 +47,14 @@ DEMO_STAMP := $(DEMO_VENV)/.installed
 # The one test command; README and CI use it through `make test`.
 TEST_CMD := $(BIN)/python -m pytest
 ARGS ?=
-# make test's parallel workers. Most tests wait on subprocesses, Postgres and the
-# broker rather than compute, so more workers than cores pays on 2 cores. Whole files
-# go to a worker (--dist loadfile): a module's tests share its module-scoped fixtures
-# and never run beside each other (docs/development.md, "Tests in parallel").
-TEST_WORKERS ?= 0
-PARALLEL := -n $(TEST_WORKERS) --dist loadfile
+# make test's parallel workers (TEST_WORKERS=0: one process). Most tests wait on
+# subprocesses, Postgres and the broker rather than compute, so more workers than
+# cores pays on 2 cores. --dist loadgroup: a file goes whole to one worker (its tests
+# share module-scoped fixtures and never run beside each other), except in tests/spark
+# and tests/bench, whose tests go one by one (tests/conftest.py, PER_TEST_DIRS;
+# docs/development.md, "Tests in parallel").
+TEST_WORKERS ?= 4
+PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 FAST_WORKERS ?= 4
 
 .PHONY: venv demo-venv services demo test test-fast test-unit test-spark-cluster lint docs
@@ -102,7 +104,7 @@ test: services venv
 	$(call run_tests,$(PARALLEL) -m 'not spark_cluster' $(ARGS))
 
 test-fast: services venv
-	$(call run_tests,-n $(FAST_WORKERS) --dist loadfile -m fast tests/unit tests/integration $(ARGS))
+	$(call run_tests,-n $(FAST_WORKERS) --dist loadgroup -m fast tests/unit tests/integration $(ARGS))
 
 # drain backfill/reconcile submitted to a real standalone cluster (a master and two
 # 1-core workers started by the tests), executors killed mid-run (tests/spark_cluster).

@@ -4,8 +4,8 @@ The suite runs in parallel under pytest-xdist (``make test``); what the workers
 share is ordered here: every test outside tests/unit holds the broker lock
 (tests/broker_lock.py) shared, and exclusively with the ``broker_alarm``
 fixture; the least-privilege census is gathered from the workers. ``make test``
-hands out whole files (``--dist loadfile``), so a module's tests share a
-worker. Tests are sorted into the fast tier (``make test-fast``, marker
+hands out whole files (``--dist loadgroup``; PER_TEST_DIRS test by test), so a
+module's tests share a worker. Tests are sorted into the fast tier (``make test-fast``, marker
 ``fast``) at collection: :func:`pytest_collection_modifyitems`.
 """
 
@@ -35,8 +35,16 @@ SUBPROCESS_FIXTURES = frozenset({"spawn", "processes", "start_pipeline"})
 
 
 
+#: Directories whose tests go to pytest-xdist workers one by one (make test's --dist
+#: loadgroup): they share no module-scoped fixture, and their files are the longest
+#: (tests/spark's resume file alone is minutes). Every other test file is one group,
+#: sent whole to one worker, as --dist loadfile would.
+PER_TEST_DIRS = (_TESTS / "spark", _TESTS / "bench")
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the fast tier.
+    """Mark the fast tier, and the xdist group of each test (PER_TEST_DIRS).
 
     ``fast``: a test in tests/unit or tests/integration that starts no
     subprocess through :data:`SUBPROCESS_FIXTURES` and is not marked ``slow``
@@ -47,6 +55,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 and not fixtures & SUBPROCESS_FIXTURES
                 and item.get_closest_marker("slow") is None):
             item.add_marker(pytest.mark.fast)
+        if not any(item.path.is_relative_to(d) for d in PER_TEST_DIRS):
+            item.add_marker(pytest.mark.xdist_group(str(item.path.relative_to(_TESTS))))
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

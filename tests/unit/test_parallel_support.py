@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import threading
 from pathlib import Path
 
 import pytest
 
 from tests import broker_lock, support
+
+pytest_plugins = ["pytester"]
 
 
 @pytest.fixture
@@ -75,3 +78,31 @@ def test_xdist_workers_get_disjoint_ports(monkeypatch: pytest.MonkeyPatch) -> No
         assert {p % 4 for p in ports} == {worker}
         assert len(set(ports)) == 20
         assert all(p < support._ephemeral_low() for p in ports)
+
+
+def test_a_files_tests_stay_on_one_worker_under_loadgroup(pytester: pytest.Pytester) -> None:
+    """make test's --dist loadgroup keeps each group (tests/conftest.py makes every
+    file outside PER_TEST_DIRS one) on one worker; with pytest 9.2 and
+    pytest-xdist 3.8 the groups were silently dropped (pyproject.toml)."""
+    pytester.makeconftest("""
+        import pytest
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_collection_modifyitems(items):
+            for item in items:
+                item.add_marker(pytest.mark.xdist_group(item.path.name))
+    """)
+    body = "import os\n" + "".join(
+        f"def test_{i}():\n    print('worker', os.environ['PYTEST_XDIST_WORKER'])\n"
+        for i in range(6))
+    pytester.makepyfile(test_a=body, test_b=body)
+    result = pytester.runpytest_subprocess("-n", "2", "--dist", "loadgroup", "-v",
+                                           "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=12)
+    workers: dict[str, set[str]] = {}
+    for line in result.outlines:
+        ran = re.match(r"\[(gw\d+)\].* PASSED (test_\w+\.py)::", line)
+        if ran:
+            workers.setdefault(ran[2], set()).add(ran[1])
+    assert set(workers) == {"test_a.py", "test_b.py"}, result.outlines
+    assert all(len(w) == 1 for w in workers.values()), workers
