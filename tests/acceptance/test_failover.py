@@ -240,7 +240,7 @@ def test_primary_failover_under_load(
     assert lost <= before, "a job committed on the new primary went missing"
     out = proc.output()[mark:]
     assert proc.proc.poll() is None, "the drain exited"
-    lines = [x for x in out.splitlines() if "drain.daemon.outages" in x and "unreachable" in x]
+    lines = [x for x in out.splitlines() if "drain.outages" in x and "unreachable" in x]
     assert len(lines) == 1, "one line for the outage, not one per attempt"
     assert "Traceback" not in out
     line = lines[0]
@@ -301,7 +301,7 @@ def test_read_write_url_with_only_a_standby_retries_with_backoff(
     status, ready = _readyz(port)
     assert proc.proc.poll() is None, "the drain exited"
     assert (status, ready["state"]) == (503, "database down")
-    lines = [x for x in out.splitlines() if "drain.daemon.outages" in x and "unreachable" in x]
+    lines = [x for x in out.splitlines() if "drain.outages" in x and "unreachable" in x]
     assert len(lines) == 1, "one line, not one per attempt"
     line = lines[0]
     assert f"database {roles.url(url, roles.RUNNER)} unreachable" in line
