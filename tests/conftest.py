@@ -27,6 +27,13 @@ from tests import broker_alarm as alarm
 from tests import broker_lock, roles, support
 
 _TESTS = Path(__file__).resolve().parent
+#: Every Spark JVM of the tests (a worker's session, each driver a test starts, and
+#: their subprocesses inherit it) compiles with C1 only and collects with one
+#: thread: they live for seconds, where C2's compiler and parallel GC threads cost
+#: the other workers CPU (tests/spark/test_csv.py, alternating on a loaded machine:
+#: 64 and 74 s without, 57 and 39 s with). No behaviour under test depends on it.
+os.environ.setdefault("SPARK_SUBMIT_OPTS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+
 #: The directories of the fast tier: no services (unit) or in-process drains (integration).
 FAST_DIRS = (_TESTS / "unit", _TESTS / "integration")
 #: Fixtures that start subprocesses a test waits for (a celery worker, a ``drain run``):
