@@ -32,7 +32,6 @@ the figures mean nothing).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -45,20 +44,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import harness
 import psycopg
-
-sys.path.insert(0, os.path.dirname(__file__))
 from cpu import process_seconds
-from harness import (
-    BROKER_URL,
-    RESULTS,
-    ROOT,
-    broker_channel,
-    declare_queue,
-    delete_queue,
-    drop_database,
-    fresh_database,
-)
+from harness import BROKER_URL, ROOT, broker_channel, staged_count
 
 GOAL = 0.95
 VARIANTS = ("shipped", "notify", "none")
@@ -96,30 +85,15 @@ def shipped_trigger_definition(url: str) -> str:
     return "CREATE OR REPLACE TRIGGER " + str(row[0])[len("CREATE TRIGGER "):]
 
 
-def wait_empty(url: str, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    with psycopg.connect(url, autocommit=True) as conn:
-        while True:
-            row = conn.execute("SELECT count(*) FROM staged_jobs").fetchone()
-            if row and row[0] == 0:
-                return
-            if time.monotonic() > deadline:
-                raise SystemExit(f"bench_staging: the drain left {row} rows staged")
-            time.sleep(0.2)
-
-
 def settle(url: str, queue: str) -> None:
     """Between rounds: the drain has published everything; vacuum, checkpoint, purge."""
-    wait_empty(url)
+    harness.wait_until(lambda: staged_count(url) == 0, 300, "bench_staging: the drain "
+                       "emptying staged_jobs", interval=0.2)
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("VACUUM staged_jobs")
         conn.execute("CHECKPOINT")
     with broker_channel() as channel:
         channel.queue_purge(queue)
-
-
-def percentile(ordered: list[float], q: float) -> float:
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def run_round(url: str, script: Path, writers: int, seconds: float, logdir: Path) -> dict[str, Any]:
@@ -143,7 +117,12 @@ def run_round(url: str, script: Path, writers: int, seconds: float, logdir: Path
         log.unlink()
     latencies.sort()
     return {"tps": float(match.group(1)), "transactions": len(latencies),
-            "p50_ms": percentile(latencies, 0.5), "p99_ms": percentile(latencies, 0.99)}
+            "p50_ms": rank(latencies, 0.5), "p99_ms": rank(latencies, 0.99)}
+
+
+def rank(ordered: list[float], q: float) -> float:
+    """The value at rank ``q`` (0-1) of the sorted values, not interpolated."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def idle_cost(url: str, seconds: float) -> float:
@@ -182,73 +161,78 @@ def plot(results: dict[str, dict[int, dict[str, Any]]], path: Path) -> None:
     fig.savefig(path)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args() -> argparse.Namespace:
+    parser = harness.parser(__doc__, rounds=3)
     parser.add_argument("--writers", default="8,32,64")
     parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--idle-seconds", type=float, default=20.0)
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"a subset of {','.join(VARIANTS)} (default all; shipped and "
                         "none are needed for the ratios)")
     parser.add_argument("--docs-png", action="store_true", help="write docs/staging.png")
-    parser.add_argument("--smoke", action="store_true", help="a tiny run: checks the bench works")
     args = parser.parse_args()
     if args.smoke:
         args.writers, args.seconds, args.rounds, args.idle_seconds = "2", 1.0, 1, 1.0
-    counts = [int(w) for w in args.writers.split(",")]
-    variants = [v for v in VARIANTS if v in args.variants.split(",")]
-    if not {"shipped", "none"} <= set(variants):
+    args.variants = [v for v in VARIANTS if v in args.variants.split(",")]
+    if not {"shipped", "none"} <= set(args.variants):
         parser.error("--variants must include shipped and none (the ratio)")
+    return args
 
-    name = f"drain_bench_staging_{uuid.uuid4().hex[:8]}"
-    queue = f"drain_bench_staging_{uuid.uuid4().hex[:8]}"
-    url = fresh_database(name)
-    declare_queue(queue)
-    shipped = shipped_trigger_definition(url)
-    env = {**os.environ, "DRAIN_DATABASE_URL": url, "DRAIN_BROKER_URL": BROKER_URL,
-           "DRAIN_METRICS_PORT": "0"}
-    drain_proc = subprocess.Popen([sys.executable, "-m", "drain", "run"], env=env, cwd=ROOT,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+def main() -> int:
+    args = parse_args()
+    counts, variants = [int(w) for w in args.writers.split(",")], args.variants
     raw: dict[str, dict[int, list[dict[str, Any]]]] = {v: {w: [] for w in counts}
                                                         for v in variants}
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            script = Path(tmp) / "stage.sql"
-            script.write_text("INSERT INTO staged_jobs (task_name, kwargs, queue) "
-                              f"VALUES ('bench.noop', '{{\"n\": 1}}', '{queue}');\n")
-            for round_no in range(args.rounds):
-                for writers in counts:
-                    order = variants if round_no % 2 == 0 else variants[::-1]
-                    for variant in order:
-                        set_variant(url, variant, shipped)
-                        settle(url, queue)
-                        cpu = process_seconds(drain_proc.pid)
-                        result = run_round(url, script, writers, args.seconds, Path(tmp))
-                        result["drain_cpu"] = (process_seconds(drain_proc.pid) - cpu) / args.seconds
-                        raw[variant][writers].append(result)
-                        print(f"round {round_no + 1} writers {writers:>2} {variant:>7}: "
-                              f"{result['tps']:8.0f} tx/s  p50 {result['p50_ms']:.2f} ms  "
-                              f"p99 {result['p99_ms']:.2f} ms  drain CPU "
-                              f"{100 * result['drain_cpu']:.0f} %", flush=True)
-            set_variant(url, "shipped", shipped)
+    with harness.Setup("staging") as setup, tempfile.TemporaryDirectory() as tmp:
+        url, queue = setup.database(), setup.queue()
+        shipped = shipped_trigger_definition(url)
+        log = setup.enter_context((Path(tmp) / "drain.log").open("w+b"))
+        drain_proc = setup.process(harness.drain_process(
+            "run", log=log,
+            env={**os.environ, "DRAIN_DATABASE_URL": url, "DRAIN_BROKER_URL": BROKER_URL,
+                 "DRAIN_METRICS_PORT": "0"}))
+        script = Path(tmp) / "stage.sql"
+        script.write_text("INSERT INTO staged_jobs (task_name, kwargs, queue) "
+                          f"VALUES ('bench.noop', '{{\"n\": 1}}', '{queue}');\n")
+
+        def one_round(round_no: int, variant: str, writers: int) -> None:
+            set_variant(url, variant, shipped)
             settle(url, queue)
-            idle = idle_cost(url, args.idle_seconds)
+            cpu = process_seconds(drain_proc.pid)
+            result = run_round(url, script, writers, args.seconds, Path(tmp))
+            result["drain_cpu"] = (process_seconds(drain_proc.pid) - cpu) / args.seconds
+            raw[variant][writers].append(result)
+            print(f"round {round_no + 1} writers {writers:>2} {variant:>7}: "
+                  f"{result['tps']:8.0f} tx/s  p50 {result['p50_ms']:.2f} ms  "
+                  f"p99 {result['p99_ms']:.2f} ms  drain CPU "
+                  f"{100 * result['drain_cpu']:.0f} %", flush=True)
+
+        for round_no in range(args.rounds):
+            for writers in counts:
+                for variant in harness.turns(round_no, variants):
+                    one_round(round_no, variant, writers)
+        set_variant(url, "shipped", shipped)
+        settle(url, queue)
+        idle = idle_cost(url, args.idle_seconds)
         if drain_proc.poll() is not None:
             raise SystemExit("bench_staging: the drain exited: "
-                             + (drain_proc.stderr.read().decode()[-500:] if drain_proc.stderr
-                                else ""))
-    finally:
-        drain_proc.terminate()
-        drain_proc.wait(30)
-        drop_database(name)
-        delete_queue(queue)
-
+                             + (Path(tmp) / "drain.log").read_text(errors="replace")[-500:])
     results = {v: {w: {"tps": statistics.median(r["tps"] for r in raw[v][w]),
                        "p50_ms": statistics.median(r["p50_ms"] for r in raw[v][w]),
                        "p99_ms": statistics.median(r["p99_ms"] for r in raw[v][w]),
                        "rounds": raw[v][w]}
                    for w in counts} for v in variants}
+    print_table(results, counts, idle)
+    if args.docs_png and not args.smoke:
+        plot(results, ROOT / "docs" / "staging.png")
+    harness.write_results("staging", summary_rows(results, counts, idle), smoke=args.smoke,
+                          details={"results": results, "idle_tps": idle, "args": vars(args)})
+    return 0
+
+
+def print_table(results: dict[str, dict[int, dict[str, Any]]], counts: list[int],
+                idle: float) -> None:
     print("\n| writers | shipped tx/s | NOTIFY per statement | no trigger | shipped / none "
           "| before / none | shipped p50 / p99 ms | none p50 / p99 ms |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -259,30 +243,24 @@ def main() -> int:
               f"{s['tps'] / n['tps']:.2f} | {o['tps'] / n['tps']:.2f} | "
               f"{s['p50_ms']:.2f} / {s['p99_ms']:.2f} | {n['p50_ms']:.2f} / {n['p99_ms']:.2f} |")
     print(f"\nidle drain: {idle:.1f} transactions/s in its database")
-    if args.docs_png and not args.smoke:
-        plot(results, ROOT / "docs" / "staging.png")
 
-    summary = []
+
+def summary_rows(results: dict[str, dict[int, dict[str, Any]]], counts: list[int],
+                 idle: float) -> list[dict[str, Any]]:
+    rows = []
     for w in counts:
         ratio = results["shipped"][w]["tps"] / results["none"][w]["tps"]
-        summary.append({"target": f"staging, {w} writers", "goal": f">= {GOAL} x no trigger",
-                        "measured": f"{ratio:.2f} x ({results['shipped'][w]['tps']:,.0f} vs "
-                                    f"{results['none'][w]['tps']:,.0f} tx/s)",
-                        "met": None if args.smoke or w < 32 else ratio >= GOAL})
+        rows.append(harness.row(f"staging, {w} writers", f">= {GOAL} x no trigger",
+                                f"{ratio:.2f} x ({results['shipped'][w]['tps']:,.0f} vs "
+                                f"{results['none'][w]['tps']:,.0f} tx/s)",
+                                None if w < 32 else ratio >= GOAL))
     tps = [results["shipped"][w]["tps"] for w in counts]
-    summary.append({"target": "staging scales with writers", "goal": "rises or holds 8 -> 64",
-                    "measured": " -> ".join(f"{t:,.0f}" for t in tps),
-                    "met": None if args.smoke or len(tps) < 2 else tps[-1] >= 0.95 * tps[0]})
-    summary.append({"target": "idle drain", "goal": "a handful of queries/s",
-                    "measured": f"{idle:.1f} transactions/s", "met": None})
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / ("staging-smoke.json" if args.smoke else "staging.json")
-    path.write_text(json.dumps({"name": "staging-smoke" if args.smoke else "staging",
-                                "summary": summary,
-                                "details": {"results": results, "idle_tps": idle,
-                                            "args": vars(args)}}, indent=2) + "\n")
-    print(f"results: {path}")
-    return 0
+    rows.append(harness.row("staging scales with writers", "rises or holds 8 -> 64",
+                            " -> ".join(f"{t:,.0f}" for t in tps),
+                            None if len(tps) < 2 else tps[-1] >= 0.95 * tps[0]))
+    rows.append(harness.row("idle drain", "a handful of queries/s",
+                            f"{idle:.1f} transactions/s", None))
+    return rows
 
 
 if __name__ == "__main__":
