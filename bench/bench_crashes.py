@@ -25,8 +25,7 @@ bench/results/crashes.json (crashes-smoke.json with ``--smoke``).
 
 from __future__ import annotations
 
-import argparse
-import json
+import functools
 import os
 import random
 import signal
@@ -34,17 +33,15 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from pathlib import Path
 from typing import Any
 
 import bench_throughput as bt
-import harness as bc
+import harness
 import psycopg
+from harness import BROKER_URL, queue_depth, staged_count
 
 import drain
 
-RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_SETTINGS = "500x1,500x2,1000x1,1000x2,1000x4,500x4,5000x2"
 
 
@@ -53,63 +50,47 @@ def stage(url: str, n: int, queue: str) -> None:
         drain.stage_many(conn, (drain.Job("bench.crash", [i], queue=queue) for i in range(n)))
 
 
-def depth(queue: str) -> int:
-    with bc.broker_channel() as channel:
-        return int(channel.queue_declare(queue, passive=True).method.message_count)
-
-
 def drain_argv(url: str, batch: int, pipeline: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "drain", "run", "--database-url", url,
-            "--broker-url", bc.BROKER_URL, "--batch-size", str(batch),
+    return ["run", "--database-url", url, "--broker-url", BROKER_URL, "--batch-size", str(batch),
             "--pipeline", str(pipeline), "--metrics-port", "0", *extra]
 
 
-def wait_for(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"bench_crashes: timed out waiting for {what}")
-        time.sleep(0.005)
+def started(url: str, staged_before: int, proc: subprocess.Popen[bytes]) -> bool:
+    """The drain has deleted rows (or exited)."""
+    return staged_count(url) < staged_before or proc.poll() is not None
 
 
 def one_setting(batch: int, pipeline: int, jobs: int, kills: int,
                 rng: random.Random) -> dict[str, Any]:
-    tag = uuid.uuid4().hex[:8]
-    name = f"drain_bench_crash_{tag}"
-    queue = f"bench_crash_{tag}"
-    url = bc.fresh_database(name)
     killed = 0
-    try:
-        bc.declare_queue(queue)
+    with harness.Setup("crash") as setup, tempfile.TemporaryFile() as log_file:
+        url, queue = setup.database(), setup.queue()
         stage(url, jobs, queue)
-        with tempfile.TemporaryFile() as log_file:
-            for _ in range(kills):
-                before = bc.staged_count(url)
-                if before <= batch * pipeline:
-                    break  # too little left for a kill to land in a busy drain
-                proc = subprocess.Popen(drain_argv(url, batch, pipeline),
-                                        stdout=log_file, stderr=subprocess.STDOUT)
-                try:
-                    wait_for(
-                        lambda b=before, p=proc: bc.staged_count(url) < b or p.poll() is not None,
-                        60, "the drain to start deleting")
-                    # Fault injection at a random moment of the drain's work.
-                    time.sleep(rng.uniform(0.0, 0.5))
-                finally:
-                    proc.send_signal(signal.SIGKILL)
-                    proc.wait(10)
-                killed += 1
-            final = subprocess.run(drain_argv(url, batch, pipeline, "--exit-when-empty"),
-                                   stdout=log_file, stderr=subprocess.STDOUT, timeout=600,
-                                   check=False)
-            if final.returncode != 0 or bc.staged_count(url) != 0:
-                log_file.seek(0)
-                sys.stderr.write(log_file.read().decode(errors="replace")[-4000:])
-                raise SystemExit(f"bench_crashes: the last drain exited {final.returncode}")
-        published = depth(queue)
-    finally:
-        bc.delete_queue(queue)
-        bc.drop_database(name)
+        for _ in range(kills):
+            before = staged_count(url)
+            if before <= batch * pipeline:
+                break  # too little left for a kill to land in a busy drain
+            proc = harness.drain_process(*drain_argv(url, batch, pipeline), log=log_file)
+            try:
+                harness.wait_until(functools.partial(started, url, before, proc), 60,
+                                   "bench_crashes: the drain to start deleting", interval=0.005)
+                # Fault injection at a random moment of the drain's work.
+                time.sleep(rng.uniform(0.0, 0.5))
+            finally:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(10)
+            killed += 1
+        final = harness.drain_process(*drain_argv(url, batch, pipeline, "--exit-when-empty"),
+                                      log=log_file)
+        try:
+            returncode = final.wait(600)
+        finally:
+            harness.stop([final])
+        if returncode != 0 or staged_count(url) != 0:
+            log_file.seek(0)
+            sys.stderr.write(log_file.read().decode(errors="replace")[-4000:])
+            raise SystemExit(f"bench_crashes: the last drain exited {returncode}")
+        published = queue_depth(queue)
     duplicates = published - jobs
     if duplicates < 0:
         raise SystemExit(f"bench_crashes: {jobs - published} job(s) lost at {batch}x{pipeline}")
@@ -119,14 +100,12 @@ def one_setting(batch: int, pipeline: int, jobs: int, kills: int,
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--jobs", type=int, default=30_000, help="jobs per setting (30000)")
     parser.add_argument("--kills", type=int, default=8, help="kill -9s per setting (8)")
     parser.add_argument("--settings", default=DEFAULT_SETTINGS,
                         help=f"BATCHxPIPELINE, comma-separated (default {DEFAULT_SETTINGS})")
     parser.add_argument("--seed", type=int, default=None, help="for the kill moments")
-    parser.add_argument("--smoke", action="store_true",
-                        help="a tiny run (checks the bench works; no figures)")
     args = parser.parse_args()
     if args.smoke:
         args.jobs, args.kills, args.settings = 3000, 1, "100x1,100x3"
@@ -143,16 +122,11 @@ def main() -> int:
     over = [r for r in rows if r["kills"] and r["duplicates"] > r["kills"] * r["bound_per_kill"]]
     for r in over:
         print(f"over the bound: {r}", file=sys.stderr)
-    summary = [{"target": f"duplicates per kill -9, batch {r['batch_size']} x pipeline "
-                          f"{r['pipeline']}",
-                "goal": f"<= {r['bound_per_kill']} (batch x pipeline)",
-                "measured": f"{r['per_kill']} ({r['duplicates']} over {r['kills']} kills)",
-                "met": None if args.smoke else r not in over} for r in rows]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / ("crashes-smoke.json" if args.smoke else "crashes.json")
-    path.write_text(json.dumps({"name": "crashes-smoke" if args.smoke else "crashes",
-                                "summary": summary, "details": {"rows": rows}}, indent=2) + "\n")
-    print(f"\nwrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")
+    harness.write_results("crashes", [
+        harness.row(f"duplicates per kill -9, batch {r['batch_size']} x pipeline {r['pipeline']}",
+                    f"<= {r['bound_per_kill']} (batch x pipeline)",
+                    f"{r['per_kill']} ({r['duplicates']} over {r['kills']} kills)",
+                    r not in over) for r in rows], {"rows": rows}, smoke=args.smoke)
     return 1 if over else 0
 
 
