@@ -20,25 +20,20 @@ works. Prints a table and writes bench/results/paused.json
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
-import threading
 import time
-import uuid
-from pathlib import Path
 from typing import Any
 
-import harness as bc
+import harness
 import psycopg
+from harness import BROKER_URL, broker_channel, staged_count
 
 import drain
 from drain.daemon.runner import Drain
 from drain.settings.config import Settings
 
-RESULTS = Path(__file__).resolve().parent / "results"
 #: The goal: the median fetch with the pile within this factor of the one without.
 GOAL_X = 1.5
 
@@ -50,46 +45,38 @@ def stage(url: str, n: int, queue: str, task: str) -> None:
         drain.stage_many(conn, (drain.Job(task, [i], queue=queue) for i in range(n)))
 
 
-def percentile(values: list[float], q: float) -> float:
+def rank(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def one_pile(pile: int, flowing: int, batch: int) -> dict[str, Any]:
-    tag = uuid.uuid4().hex[:8]
-    name = f"drain_bench_paused_{tag}"
-    refused, working = f"bench_refused_{tag}", f"bench_flowing_{tag}"
-    url = bc.fresh_database(name)
     fetches: list[tuple[float, int]] = []
-    try:
-        with bc.broker_channel() as channel:
+    with harness.Setup("paused") as setup:
+        url = setup.database()
+        refused = setup.queue("refused", declare=False)
+        with broker_channel() as channel:
             channel.queue_declare(refused, durable=True, arguments={"x-max-length": 1})
-        bc.declare_queue(working)
+        working = setup.queue("flowing")
         stage(url, pile, refused, "bench.paused")
         stage(url, flowing, working, "bench.flowing")
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("VACUUM ANALYZE staged_jobs")
-        running = Drain(Settings(database_url=url, broker_url=bc.BROKER_URL, batch_size=batch),
-                        on_fetch=lambda seconds, rows: fetches.append((seconds, rows)))
-        thread = threading.Thread(target=running.run, daemon=True)
+        runner = Drain(Settings(database_url=url, broker_url=BROKER_URL, batch_size=batch),
+                       on_fetch=lambda seconds, rows: fetches.append((seconds, rows)))
         started = time.perf_counter()
-        thread.start()
-        deadline = time.monotonic() + 600
-        try:
-            while bc.staged_count(url) > pile:
-                if time.monotonic() > deadline or not thread.is_alive():
-                    raise SystemExit(f"bench_paused: the flowing jobs were not published "
-                                     f"(pile {pile})")
-                time.sleep(0.05)
+        with harness.running(runner) as thread:
+            def published() -> bool:
+                if staged_count(url) <= pile:
+                    return True
+                if not thread.is_alive():
+                    raise SystemExit(f"bench_paused: the drain stopped (pile {pile})")
+                return False
+
+            harness.wait_until(published, 600, f"bench_paused: the flowing jobs published "
+                               f"(pile {pile})", interval=0.05)
             elapsed = time.perf_counter() - started
-        finally:
-            running.stop()
-            thread.join(30)
-        left = bc.staged_count(url)
-    finally:
-        bc.delete_queue(refused)
-        bc.delete_queue(working)
-        bc.drop_database(name)
+        left = staged_count(url)
     if left != pile:
         raise SystemExit(f"bench_paused: {left} rows left staged, expected the pile of {pile}")
     full = [seconds * 1000 for seconds, rows in fetches if rows >= batch]
@@ -97,20 +84,18 @@ def one_pile(pile: int, flowing: int, batch: int) -> dict[str, Any]:
         raise SystemExit("bench_paused: no full batch was fetched")
     return {"pile": pile, "flowing": flowing, "fetches": len(fetches), "full_batches": len(full),
             "median_ms": round(statistics.median(full), 2),
-            "p90_ms": round(percentile(full, 0.90), 2), "p99_ms": round(percentile(full, 0.99), 2),
+            "p90_ms": round(rank(full, 0.90), 2), "p99_ms": round(rank(full, 0.99), 2),
             "max_ms": round(max(full), 2), "seconds": round(elapsed, 2),
             "all_ms": [round(ms, 2) for ms in full]}
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--paused", default="0,1000000",
                         help="pile sizes, comma-separated (default 0,1000000)")
     parser.add_argument("--flowing", type=int, default=100_000,
                         help="jobs for the working queue per pile (default 100000)")
     parser.add_argument("--batch-size", type=int, default=1000)
-    parser.add_argument("--smoke", action="store_true",
-                        help="a tiny run (checks the bench works; no figures)")
     args = parser.parse_args()
     if args.smoke:
         args.paused, args.flowing = "0,20000", 5000
@@ -131,20 +116,15 @@ def main() -> int:
         ratio = r["median_ms"] / base["median_ms"]
         print(f"\n{r['pile']:,} paused rows: median fetch {ratio:.2f} x the one with "
               f"{base['pile']:,} (goal <= {GOAL_X})")
-        summary.append({
-            "target": f"fetch with {r['pile']:,} paused rows staged",
-            "goal": f"median <= {GOAL_X} x with {base['pile']:,}",
-            "measured": f"{ratio:.2f} x ({r['median_ms']} vs {base['median_ms']} ms per "
-                        f"batch; p99 {r['p99_ms']} vs {base['p99_ms']}; {r['slow']} slow)",
-            "met": None if args.smoke else ratio <= GOAL_X,
-        })
+        summary.append(harness.row(
+            f"fetch with {r['pile']:,} paused rows staged",
+            f"median <= {GOAL_X} x with {base['pile']:,}",
+            f"{ratio:.2f} x ({r['median_ms']} vs {base['median_ms']} ms per "
+            f"batch; p99 {r['p99_ms']} vs {base['p99_ms']}; {r['slow']} slow)",
+            ratio <= GOAL_X))
     for r in rows:
         del r["all_ms"]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / ("paused-smoke.json" if args.smoke else "paused.json")
-    path.write_text(json.dumps({"name": "paused-smoke" if args.smoke else "paused",
-                                "summary": summary, "details": {"rows": rows}}, indent=2) + "\n")
-    print(f"\nwrote {path}")
+    harness.write_results("paused", summary, {"rows": rows}, smoke=args.smoke)
     return 0
 
 

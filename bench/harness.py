@@ -22,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -32,6 +33,7 @@ import pika
 import psycopg
 
 import drain
+from drain.daemon.runner import Drain
 from drain.postgres import store
 from drain.settings.urls import broker_parameters
 
@@ -174,6 +176,18 @@ class Setup(contextlib.ExitStack):
 def _quietly(cleanup: Callable[[str], None], name: str) -> None:
     with contextlib.suppress(Exception):
         cleanup(name)
+
+
+@contextlib.contextmanager
+def running(runner: Drain, *, join: float = 30.0) -> Iterator[threading.Thread]:
+    """``runner.run()`` in a daemon thread, stopped and joined (up to ``join`` s) after."""
+    thread = threading.Thread(target=runner.run, name="drain", daemon=True)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        runner.stop()
+        thread.join(join)
 
 
 # -- processes ----------------------------------------------------------------------------
