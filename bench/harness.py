@@ -148,13 +148,14 @@ class Setup(contextlib.ExitStack):
         super().__init__()
         self.tag = uuid.uuid4().hex[:8]
         self.prefix = prefix
+        self.database_url = ""
 
     def database(self, name: str = "") -> str:
         """A fresh migrated database (dropped at exit); its URL."""
         db = name or f"drain_bench_{self.prefix}_{self.tag}"
-        url = fresh_database(db)
+        self.database_url = fresh_database(db)
         self.callback(_quietly, drop_database, db)
-        return url
+        return self.database_url
 
     def queue(self, kind: str = "", *, declare: bool = True, routed: bool = False) -> str:
         """A durable queue's name (deleted at exit), declared unless ``declare`` is
