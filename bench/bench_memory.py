@@ -36,40 +36,26 @@ bench/results/memory-smoke.json).
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
+import harness
 import pika
 import psycopg
+from harness import BROKER_URL, QueueCounter, declare_queue
 
 from drain.settings.urls import broker_parameters
 
-sys.path.insert(0, os.path.dirname(__file__))
-from harness import (
-    BROKER_URL,
-    declare_queue,
-    delete_queue,
-    drop_database,
-    fresh_database,
-)
-
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "memory.json"
-SMOKE_RESULTS = RESULTS.with_name("memory-smoke.json")
 GOAL_PEAK_MB = 150.0
 GOAL_GROWTH_MB = 1.0  # per 100,000 rows
 WARMUP_FRACTION = 0.10
@@ -107,23 +93,6 @@ def declare_lazy_queue(queue: str) -> None:
                                      arguments={"x-queue-mode": "lazy"})
     finally:
         conn.close()
-
-
-class QueueCounter:
-    """Messages in a queue, by a passive declare on a connection of our own."""
-
-    def __init__(self, queue: str) -> None:
-        self.queue = queue
-        self._conn = pika.BlockingConnection(broker_parameters(BROKER_URL))
-        self._channel = self._conn.channel()
-
-    def count(self) -> int:
-        frame = self._channel.queue_declare(self.queue, passive=True)
-        return int(frame.method.message_count)
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._conn.close()
 
 
 class Consumer(threading.Thread):
@@ -225,7 +194,7 @@ def run_drain(url: str, run: Run, consumer: Consumer | None, log_path: Path) -> 
     """Run ``drain run --exit-when-empty`` and sample it until it exits."""
     counter = QueueCounter(run.queue)
     argv = [
-        sys.executable, "-m", "drain", "run",
+        "run",
         "--database-url", url, "--broker-url", BROKER_URL,
         "--batch-size", str(run.batch_size), "--exit-when-empty",
         "--queue-declare", "passive" if run.lazy else "celery",
@@ -235,8 +204,7 @@ def run_drain(url: str, run: Run, consumer: Consumer | None, log_path: Path) -> 
         return counter.count() + (consumer.consumed if consumer else 0)
 
     with open(log_path, "wb") as log, psycopg.connect(url, autocommit=True) as pg:
-        proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = harness.drain_process(*argv, log=log)
         t0 = time.perf_counter()
         try:
             while True:
@@ -256,15 +224,7 @@ def run_drain(url: str, run: Run, consumer: Consumer | None, log_path: Path) -> 
                     })
                 time.sleep(INTERVAL)
         finally:
-            if proc.returncode is None:
-                # Stop only the drain we started, by its pid.
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            harness.stop([proc], 15)
         run.seconds = time.perf_counter() - t0
         run.published = published()
         left = pg.execute("SELECT count(*) FROM staged_jobs").fetchone()
@@ -274,34 +234,27 @@ def run_drain(url: str, run: Run, consumer: Consumer | None, log_path: Path) -> 
 
 def measure(run: Run) -> None:
     """Fresh database and queue, stage, drain, and always clean up."""
-    tag = uuid.uuid4().hex[:8]
-    db = f"drain_bench_mem_{tag}"
-    consumer: Consumer | None = None
-    logdir = Path(tempfile.mkdtemp(prefix="bench_memory_"))
-    url = fresh_database(db)
-    try:
+    with harness.Setup("mem") as setup, tempfile.TemporaryDirectory(
+            prefix="bench_memory_") as tmp:
+        url = setup.database()
+        run.queue = setup.queue(declare=False)
         if run.lazy:
             declare_lazy_queue(run.queue)
         else:
             declare_queue(run.queue)
         run.stage_seconds = stage(url, run.rows, run.queue)
         print(f"staged {run.rows:,} rows in {run.stage_seconds:.1f}s", file=sys.stderr)
-        if run.consume:
-            consumer = Consumer(run.queue)
+        consumer = Consumer(run.queue) if run.consume else None
+        if consumer is not None:
             consumer.start()
-        run_drain(url, run, consumer, logdir / "drain.log")
+            setup.callback(consumer.stop)
+        log_path = Path(tmp) / "drain.log"
+        run_drain(url, run, consumer, log_path)
         run.broker_after = broker_memory()
         if not run.complete:
-            tail = (logdir / "drain.log").read_text(errors="replace")[-3000:]
+            tail = log_path.read_text(errors="replace")[-3000:]
             print(f"drain exited {run.exit_code} after deleting {run.deleted} of {run.rows} "
                   f"rows; its log ends:\n{tail}", file=sys.stderr)
-    finally:
-        if consumer is not None:
-            consumer.stop()
-        with contextlib.suppress(Exception):
-            delete_queue(run.queue)
-        drop_database(db)
-        shutil.rmtree(logdir, ignore_errors=True)
 
 
 # -- analysis -------------------------------------------------------------------------
@@ -357,18 +310,12 @@ def report(run: Run, *, smoke: bool = False) -> int:
         print(f"broker memory with the queue full: {run.broker_after['used_mb']:.0f} MB "
               f"(before: {run.broker_before['used_mb']:.0f} MB)")
 
-    path = SMOKE_RESULTS if smoke else RESULTS
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
-        "name": "memory-smoke" if smoke else "memory",
-        "summary": [{
-            "target": "memory",
-            "goal": f"draining {n:,} rows, RSS flat (< {GOAL_GROWTH_MB:g} MB per 100k rows) "
-                    f"and peak < {GOAL_PEAK_MB:.0f} MB",
-            "measured": f"peak {peak:.1f} MB over {n:,} rows; growth {growth_text}",
-            "met": None if smoke else met,
-        }],
-        "details": {
+    harness.write_results("memory", [harness.row(
+        "memory",
+        f"draining {n:,} rows, RSS flat (< {GOAL_GROWTH_MB:g} MB per 100k rows) "
+        f"and peak < {GOAL_PEAK_MB:.0f} MB",
+        f"peak {peak:.1f} MB over {n:,} rows; growth {growth_text}", met)], smoke=smoke,
+        details={
             "rows": n, "batch_size": run.batch_size, "consumer": run.consume,
             "queue": "lazy, --queue-declare passive" if run.lazy
                      else "plain, declared by the drain",
@@ -384,14 +331,12 @@ def report(run: Run, *, smoke: bool = False) -> int:
             "broker_memory_before": run.broker_before,
             "broker_memory_after": run.broker_after,
             "samples": samples,
-        },
-    }, indent=1) + "\n")
-    print(f"wrote {path.relative_to(ROOT)}", file=sys.stderr)
+        })
     return 0 if run.complete else 1
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--rows", type=int,
                         default=int(os.environ.get("BENCH_ROWS", "1000000")))
     parser.add_argument("--batch-size", type=int, default=1000)
@@ -400,13 +345,11 @@ def main() -> int:
                              "queue declared beforehand, --queue-declare passive)")
     parser.add_argument("--consume", action="store_true",
                         help="consume the messages in a background thread as they arrive")
-    parser.add_argument("--smoke", action="store_true",
-                        help="a tiny run (checks the bench works; no figures)")
     args = parser.parse_args()
     if args.smoke:
         args.rows = 20_000
     run = Run(rows=args.rows, batch_size=args.batch_size, lazy=not args.plain_queue,
-              consume=args.consume, queue=f"bench_mem_{uuid.uuid4().hex[:8]}")
+              consume=args.consume, queue="")
 
     run.broker_before = before = broker_memory()
     need_mb = 100.0 if run.lazy else run.rows * BROKER_BYTES_PER_MESSAGE / 1e6

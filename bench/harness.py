@@ -123,6 +123,24 @@ def queue_depth(queue: str) -> int:
         return int(channel.queue_declare(queue, passive=True).method.message_count)
 
 
+class QueueCounter:
+    """Messages in some queues, by passive declares on a connection of its own (for
+    sampling a queue often, without a connection each time)."""
+
+    def __init__(self, *queues: str) -> None:
+        self.queues = queues
+        self._conn = pika.BlockingConnection(broker_parameters(BROKER_URL))
+        self._channel = self._conn.channel()
+
+    def count(self) -> int:
+        return sum(int(self._channel.queue_declare(q, passive=True).method.message_count)
+                   for q in self.queues)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._conn.close()
+
+
 # -- arguments ----------------------------------------------------------------------------
 
 def parser(doc: str | None, *, rounds: int | None = None) -> argparse.ArgumentParser:
@@ -201,7 +219,8 @@ def drain_process(*argv: str, env: dict[str, str] | None = None,
     base = dict(os.environ if env is None else env)
     base["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), base.get("PYTHONPATH")) if p)
     return subprocess.Popen([*(command or (sys.executable, "-m", "drain")), *argv], env=base,
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
+                            stderr=subprocess.STDOUT)
 
 
 def stop(procs: Sequence[subprocess.Popen[Any]], timeout: float = 30.0) -> None:
