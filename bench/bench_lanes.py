@@ -48,12 +48,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import itertools
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -61,232 +57,26 @@ import time
 import uuid
 from pathlib import Path
 
-import pika
+import harness
 import psycopg
+from bench_memory import BROKER_BYTES_PER_MESSAGE, broker_memory
+from bench_throughput import raw_pika
+from cpu import CLK_TCK, Sampler, Snapshot, broker_pids, interval_cpu, ours_ticks, percent
+from harness import BROKER_URL, ROOT, QueueCounter
+from lanes_report import QUIET_BUSY, Round, print_table, reason, write
 
 import drain
 from drain.broker.outgoing import Message
 from drain.celery import message
 from drain.postgres.rows import StagedRow
-from drain.settings.urls import broker_parameters
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_memory import BROKER_BYTES_PER_MESSAGE, broker_memory
-from bench_throughput import raw_pika
-from harness import (
-    BROKER_URL,
-    declare_queue,
-    delete_queue,
-    drop_database,
-    fresh_database,
-)
-
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "lanes.json"
-SMOKE_RESULTS = RESULTS.with_name("lanes-smoke.json")
 GOAL_JOBS = 200_000
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-CORES = os.cpu_count() or 1
 #: N drains on one host cannot share the metrics port: the bench turns it off (an env
 #: variable, which a drain without metrics ignores).
 DRAIN_ENV = {**os.environ, "DRAIN_METRICS_PORT": "0"}
-#: Below this many % of one core idle (over all cores), the machine counts as saturated.
-SATURATED_IDLE = 15.0
-#: A baseline under this many % of one core busy counts as a quiet machine (--wait-quiet).
-QUIET_BUSY = 20.0
-#: A lane count that adds less than this to the rate of the one before has stopped scaling.
-SCALING_GAIN = 1.10
-
-
-# -- /proc ---------------------------------------------------------------------------------
-
-
-def proc_stat(pid: int) -> tuple[int, int, int] | None:
-    """(utime+stime, cutime+cstime, ppid) of ``pid`` in clock ticks (None: gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # The command name may hold spaces and parentheses: fields follow the last ')'.
-    fields = text[text.rindex(")") + 2:].split()
-    # fields[0] is field 3 (state): utime is field 14, stime 15, cutime 16, cstime 17.
-    return int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14]), int(fields[1])
-
-
-def machine_ticks() -> tuple[int, int]:
-    """(busy, idle) clock ticks over all cores since boot; iowait counts as idle."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:9]]
-    # user nice system idle iowait irq softirq steal (guest is inside user already)
-    idle = fields[3] + fields[4]
-    return sum(fields) - idle, idle
-
-
-def read_text(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            return f.read().decode(errors="replace")
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return ""
-
-
-def postgres_processes() -> dict[int, str]:
-    """Every process named postgres, with its title (``postgres: 15/main: user db ...``)."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and read_text(f"/proc/{entry}/comm").strip() == "postgres":
-            found[int(entry)] = read_text(f"/proc/{entry}/cmdline").replace("\0", " ").strip()
-    return found
-
-
-def broker_pids() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "beam.smp"], capture_output=True, text=True,
-                         check=False).stdout
-    return [int(p) for p in out.split()]
-
-
-@dataclasses.dataclass
-class Snapshot:
-    """Cumulative CPU clock ticks at one moment."""
-
-    t: float
-    busy: int
-    idle: int
-    broker: int
-    postgres: int
-    #: utime+stime of each live postgres process whose title names the round's database
-    ours: dict[int, int]
-    #: utime+stime of each live drain process
-    drains: dict[int, int]
-
-
-class Sampler:
-    """Takes Snapshots of the machine, the broker, Postgres and the drain processes."""
-
-    def __init__(self, database: str) -> None:
-        self.database = database
-        self.broker = broker_pids()
-        self.drain_pids: list[int] = []
-
-    def take(self) -> Snapshot:
-        t = time.perf_counter()
-        busy, idle = machine_ticks()
-        broker = 0
-        for pid in self.broker:
-            stat = proc_stat(pid)
-            broker += stat[0] if stat else 0
-        postgres = 0
-        ours = {}
-        processes = postgres_processes()
-        for pid, title in processes.items():
-            stat = proc_stat(pid)
-            if stat is None:
-                continue
-            own, children, ppid = stat
-            postgres += own
-            if ppid not in processes:  # the postmaster: it reaps the backends that exit
-                postgres += children
-            if f" {self.database} " in f"{title} ":
-                ours[pid] = own
-        drains = {}
-        for pid in self.drain_pids:
-            stat = proc_stat(pid)
-            if stat is not None:
-                drains[pid] = stat[0]
-        return Snapshot(t, busy, idle, broker, postgres, ours, drains)
-
-
-def percent(ticks: float, seconds: float) -> float:
-    """Clock ticks over ``seconds`` as % of one core."""
-    return 100.0 * ticks / CLK_TCK / seconds if seconds > 0 else 0.0
-
-
-def ours_ticks(snapshots: list[Snapshot]) -> int:
-    """CPU of this database's backends over the snapshots: each pid's last value less its
-    first (0 for a pid already there at the start; a pid that appeared counts from 0)."""
-    first = snapshots[0].ours
-    last: dict[int, int] = {}
-    for s in snapshots:
-        last.update(s.ours)
-    return sum(v - first.get(pid, 0) for pid, v in last.items())
-
-
-def interval_cpu(a: Snapshot, b: Snapshot) -> dict[str, float]:
-    """CPU use between two snapshots, in % of one core."""
-    seconds = b.t - a.t
-    total = (b.busy - a.busy) + (b.idle - a.idle)
-    # /proc/stat and the clock disagree a little: scale idle to the cores x 100 % cap.
-    idle = 100.0 * CORES * (b.idle - a.idle) / total if total else 0.0
-    drains = sum(v - a.drains.get(pid, 0) for pid, v in b.drains.items())
-    return {
-        "seconds": round(seconds, 3),
-        "busy": round(100.0 * CORES - idle, 1),
-        "idle": round(idle, 1),
-        "drains": round(percent(drains, seconds), 1),
-        "broker": round(percent(b.broker - a.broker, seconds), 1),
-        "postgres": round(percent(b.postgres - a.postgres, seconds), 1),
-    }
 
 
 # -- one round -----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Round:
-    lanes: int
-    jobs: int
-    #: the jobs name this many queues, round-robin (1: all the same queue, as in the target)
-    queues: int = 1
-    stage_seconds: float = 0.0
-    seconds: float = 0.0
-    first_message_seconds: float | None = None
-    exit_codes: list[int] = dataclasses.field(default_factory=list)
-    #: CPU seconds (user+system) of each drain process, from wait4's rusage
-    drain_cpu_seconds: list[float] = dataclasses.field(default_factory=list)
-    drain_wall_seconds: list[float] = dataclasses.field(default_factory=list)
-    queued: int = 0
-    staged_left: int = -1
-    dead: int = -1
-    baseline: dict[str, float] = dataclasses.field(default_factory=dict)
-    cpu: dict[str, float] = dataclasses.field(default_factory=dict)
-    #: each drain's CPU % over the round
-    per_drain: list[float] = dataclasses.field(default_factory=list)
-    timeline: list[dict[str, float]] = dataclasses.field(default_factory=list)
-    #: the broker's ceiling with N publishers: "one queue" and "N queues" -> figures
-    raw: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
-    error: str | None = None
-
-    @property
-    def label(self) -> str:
-        lanes = f"{self.lanes} lane{'s' if self.lanes > 1 else ''}"
-        return lanes if self.queues == 1 else f"{lanes}, {self.queues} queues"
-
-    @property
-    def rate(self) -> float:
-        return self.jobs / self.seconds if self.seconds else 0.0
-
-    @property
-    def ok(self) -> bool:
-        return (self.error is None and self.exit_codes == [0] * self.lanes
-                and self.queued == self.jobs and self.staged_left == 0 and self.dead == 0)
-
-
-class QueueCounter:
-    """Messages in some queues, by passive declares on a connection of our own."""
-
-    def __init__(self, queues: list[str]) -> None:
-        self.queues = queues
-        self._conn = pika.BlockingConnection(broker_parameters(BROKER_URL))
-        self._channel = self._conn.channel()
-
-    def count(self) -> int:
-        return sum(int(self._channel.queue_declare(q, passive=True).method.message_count)
-                   for q in self.queues)
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._conn.close()
 
 
 def stage(url: str, n: int, queues: list[str]) -> float:
@@ -305,22 +95,6 @@ def stage(url: str, n: int, queues: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM, then SIGKILL, the drains this bench started that still run (by pid)."""
-    for p in procs:
-        if p.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    for p in procs:
-        if p.returncode is None:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-
 def drain_round(rnd: Round, url: str, database: str, queues: list[str], *, batch_size: int,
                 interval: float, timeout: float, baseline: float, wait_quiet: float,
                 logdir: Path) -> None:
@@ -333,7 +107,7 @@ def drain_round(rnd: Round, url: str, database: str, queues: list[str], *, batch
         rnd.baseline = interval_cpu(a, sampler.take())
         if rnd.baseline["busy"] < QUIET_BUSY or time.perf_counter() >= give_up:
             break
-    counter = QueueCounter(queues)
+    counter = QueueCounter(*queues)
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
     started: dict[int, float] = {}
@@ -345,12 +119,10 @@ def drain_round(rnd: Round, url: str, database: str, queues: list[str], *, batch
         for lane in range(rnd.lanes):
             log = open(logdir / f"lanes{rnd.lanes}-lane{lane}.log", "wb")  # noqa: SIM115
             logs.append(log)
-            argv = [sys.executable, "-m", "drain", "run", "--exit-when-empty",
-                    "--lanes", str(rnd.lanes), "--lane", str(lane),
-                    "--database-url", url, "--broker-url", BROKER_URL,
-                    "--batch-size", str(batch_size)]
-            p = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
-                                 stderr=subprocess.STDOUT, env=DRAIN_ENV)
+            p = harness.drain_process(
+                "run", "--exit-when-empty", "--lanes", str(rnd.lanes), "--lane", str(lane),
+                "--database-url", url, "--broker-url", BROKER_URL,
+                "--batch-size", str(batch_size), log=log, env=DRAIN_ENV)
             procs.append(p)
             started[p.pid] = time.perf_counter()
             running[p.pid] = lane
@@ -393,7 +165,7 @@ def drain_round(rnd: Round, url: str, database: str, queues: list[str], *, batch
             time.sleep(0.01)
         rnd.seconds = snapshots[-1].t - t0
     finally:
-        stop(procs)
+        harness.stop(procs, 15)
         for log in logs:
             log.close()
         counter.close()
@@ -411,7 +183,7 @@ def drain_round(rnd: Round, url: str, database: str, queues: list[str], *, batch
 
 
 def verify(rnd: Round, url: str, queues: list[str]) -> None:
-    counter = QueueCounter(queues)
+    counter = QueueCounter(*queues)
     try:
         rnd.queued = counter.count()
     finally:
@@ -426,21 +198,18 @@ def verify(rnd: Round, url: str, queues: list[str]) -> None:
 def measure(rnd: Round, *, batch_size: int, interval: float, timeout: float,
             baseline: float, wait_quiet: float) -> None:
     """Fresh database and queue(s), stage, drain in lanes, verify; always clean up."""
-    tag = uuid.uuid4().hex[:8]
-    database = f"drain_bench_lanes_{tag}"
-    queues = [f"bench_lanes_{tag}_{k}" for k in range(rnd.queues)]
-    logdir = Path(tempfile.mkdtemp(prefix="bench_lanes_"))
-    url = fresh_database(database)
-    try:
-        for q in queues:
-            declare_queue(q)
+    with harness.Setup("lanes") as setup, tempfile.TemporaryDirectory(
+            prefix="bench_lanes_") as tmp:
+        url = setup.database()
+        queues = [setup.queue(str(k)) for k in range(rnd.queues)]
+        logdir = Path(tmp)
         rnd.stage_seconds = stage(url, rnd.jobs, queues)
         print(f"{rnd.label}: staged {rnd.jobs:,} rows in {rnd.stage_seconds:.1f} s, "
               "draining", file=sys.stderr)
         try:
-            drain_round(rnd, url, database, queues, batch_size=batch_size, interval=interval,
-                        timeout=timeout, baseline=baseline, wait_quiet=wait_quiet,
-                        logdir=logdir)
+            drain_round(rnd, url, url.rsplit("/", 1)[1], queues, batch_size=batch_size,
+                        interval=interval, timeout=timeout, baseline=baseline,
+                        wait_quiet=wait_quiet, logdir=logdir)
         except TimeoutError as exc:
             rnd.error = str(exc)
         verify(rnd, url, queues)
@@ -451,12 +220,6 @@ def measure(rnd: Round, *, batch_size: int, interval: float, timeout: float,
             for log in sorted(logdir.glob("*.log")):
                 print(f"--- {log.name} (end) ---\n"
                       f"{log.read_text(errors='replace')[-2000:]}", file=sys.stderr)
-    finally:
-        for q in queues:
-            with contextlib.suppress(Exception):
-                delete_queue(q)
-        drop_database(database)
-        shutil.rmtree(logdir, ignore_errors=True)
 
 
 # -- the broker's ceiling: N raw publishers at once ------------------------------------------
@@ -558,225 +321,12 @@ def measure_raw(rnd: Round, timeout: float) -> None:
     every job goes to the one queue its row names) and, for N > 1, into N queues."""
     variants = {"one queue": 1} if rnd.lanes == 1 else {"one queue": 1, "N queues": rnd.lanes}
     for name, count in variants.items():
-        tag = uuid.uuid4().hex[:8]
-        queues = [f"bench_lanes_raw_{tag}_{k}" for k in range(count)]
-        try:
-            for q in queues:
-                declare_queue(q)
-            rnd.raw[name] = raw_round(rnd, queues, timeout)
-        except (RuntimeError, TimeoutError) as exc:
-            print(f"raw x{rnd.lanes} ({name}) failed: {exc}", file=sys.stderr)
-        finally:
-            for q in queues:
-                with contextlib.suppress(Exception):
-                    delete_queue(q)
-
-
-# -- report --------------------------------------------------------------------------------
-
-
-def per_job_us(r: Round) -> dict[str, float]:
-    """CPU microseconds per job, by component, over the round (start-up included)."""
-    c, per = r.cpu, 1e6 * r.seconds / 100.0 / r.jobs  # % of one core -> us per job
-    return {k: round(c[k] * per, 1) for k in ("drains", "broker", "postgres",
-                                                "postgres_this_database", "other")}
-
-
-def ceiling(r: Round) -> float:
-    """The rate all cores would give if the drains, broker and Postgres had them to
-    themselves at this round's CPU cost per job."""
-    us = per_job_us(r)
-    total = us["drains"] + us["broker"] + us["postgres"]
-    return CORES * 1e6 / total if total else 0.0
-
-
-def steady_rate(r: Round) -> float:
-    """Jobs per second from the first message in the queue to the last drain's exit."""
-    if r.first_message_seconds is None or r.seconds <= r.first_message_seconds:
-        return 0.0
-    return r.jobs / (r.seconds - r.first_message_seconds)
-
-
-def broker_evidence(r: Round, spread: Round | None) -> tuple[str, bool]:
-    """What the raw publishers and the spread round say at ``r``'s lane count, and whether
-    they show the one queue as the ceiling: the drains reach >= 80 % of what N raw
-    publishers get into one queue, and N queues take >= 25 % more."""
-    one, many = r.raw.get("one queue"), r.raw.get("N queues")
-    if one is None:
-        return "", False
-    text = f"raw pika x{r.lanes}: {one['jobs_per_second'] / 1000:.1f}k/s into one queue"
-    wider = False
-    if many:
-        text += f", {many['jobs_per_second'] / 1000:.1f}k/s into {r.lanes}"
-        wider = many["jobs_per_second"] >= 1.25 * one["jobs_per_second"]
-    if spread is not None and spread.ok:
-        text += f"; {r.lanes} lanes over {r.lanes} queues {spread.rate / 1000:.1f}k/s"
-        wider = wider or spread.rate >= 1.25 * r.rate
-    capped = wider and steady_rate(r) >= 0.8 * one["jobs_per_second"]
-    return text, capped
-
-
-def reason(rounds: list[Round]) -> tuple[str, str]:
-    """Where the rate stops growing and what limits it there: a short line for the
-    summary and a long one with the CPU split and the evidence."""
-    cap = 100 * CORES
-    done = [r for r in rounds if r.ok and r.queues == 1]
-    if len(done) < 2:
-        return ("too few complete rounds to say",) * 2
-    stop_at = next((r for prev, r in itertools.pairwise(done)
-                    if r.rate < SCALING_GAIN * prev.rate), None)
-    r = stop_at or done[-1]
-    c = r.cpu
-    split = (f"drains {c['drains']:.0f} %, broker {c['broker']:.0f} %, "
-             f"postgres {c['postgres']:.0f} %, other {c['other']:.0f} %, "
-             f"idle {c['idle']:.0f} % of {cap} %")
-    biggest = max(("the drains", c["drains"]), ("the broker", c["broker"]),
-                  ("postgres", c["postgres"]), ("other load (not this bench)", c["other"]),
-                  key=lambda kv: kv[1])[0]
-    where = (f"stops scaling at {r.lanes} lanes" if stop_at
-             else f"still scaling at {r.lanes} lanes")
-    spread = next((x for x in rounds if x.lanes == r.lanes and x.queues > 1), None)
-    evidence, capped = broker_evidence(r, spread)
-    if c["idle"] < SATURATED_IDLE:
-        why = f"CPU-bound: {CORES} cores saturated, {biggest} the largest share"
-    elif capped:
-        why = ("the one queue all lanes publish to is the ceiling (a classic queue is one "
-               "Erlang process), with CPU to spare")
-    else:
-        why = "CPU left idle: waits (round trips, confirms, fsync), not cores"
-    after = ""
-    if spread is not None and spread.ok and spread.cpu["idle"] < SATURATED_IDLE:
-        after = (f"; over {spread.queues} queues the cores saturate "
-                 f"{'too' if c['idle'] < SATURATED_IDLE else 'instead'} "
-                 f"(idle {spread.cpu['idle']:.0f} %)")
-    busy_before = max((x.baseline.get("busy", 0.0) for x in done), default=0.0)
-    other = max(x.cpu["other"] for x in done)
-    noisy = max(busy_before, other) > QUIET_BUSY
-    evidence = f"; {evidence}" if evidence else ""
-    short = f"{where}: {why}{evidence}{after}{'; NOT a quiet machine' if noisy else ''}"
-    noise = (f"; NOT a quiet machine: up to {busy_before:.0f} % busy before a round, "
-             f"up to {other:.0f} % other load during one" if noisy else "")
-    return short, f"{where}: {why} ({split}){evidence}{after}{noise}"
-
-
-def base_rate(rounds: list[Round]) -> float | None:
-    return next((r.rate for r in rounds if r.lanes == 1 and r.queues == 1 and r.ok), None)
-
-
-def print_table(rounds: list[Round], jobs: int) -> None:
-    base = base_rate(rounds)
-    cap = 100 * CORES
-    w = max(len("lanes"), *(len(r.label) for r in rounds))
-    print(f"\nlanes: {jobs:,} jobs, {CORES} cores (CPU in % of one core, {cap} % in all), "
-          "N `drain run --exit-when-empty --lanes N --lane K` started at once, timed to the "
-          "last exit\n")
-    print(f"| {'lanes':<{w}} | seconds | jobs/s | x 1 lane | drain CPU % (per lane) | "
-          "broker CPU % | postgres CPU % (this db) | other % | idle % | ok |")
-    print(f"|{'-' * (w + 2)}|---:|---:|---:|---|---:|---:|---:|---:|---|")
-    for r in rounds:
-        c = r.cpu
-        if not c:
-            print(f"| {r.label:<{w}} | - | - | - | - | - | - | - | - | **no**: {r.error} |")
-            continue
-        x = f"{r.rate / base:.2f}" if base else "-"
-        per = "+".join(f"{p:.0f}" for p in r.per_drain)
-        print(f"| {r.label:<{w}} | {r.seconds:.2f} | {r.rate:,.0f} | {x} | "
-              f"{c['drains']:.0f} ({per}) | {c['broker']:.0f} | "
-              f"{c['postgres']:.0f} ({c['postgres_this_database']:.0f}) | {c['other']:.0f} | "
-              f"{c['idle']:.0f} | {'yes' if r.ok else '**no**: ' + str(r.error)} |")
-    print_notes(rounds)
-
-
-def print_notes(rounds: list[Round]) -> None:
-    """CPU per job, start-up, the raw publishers, the baselines."""
-    measured = [r for r in rounds if r.cpu]
-    if measured:
-        print("\nCPU per job in us (start-up included), and the rate all cores would give the "
-              "drains, broker and Postgres at that cost:")
-    for r in measured:
-        us = per_job_us(r)
-        print(f"  {r.label}: drains {us['drains']:.0f}, broker {us['broker']:.0f}, "
-              f"postgres {us['postgres']:.0f} (this db {us['postgres_this_database']:.0f}), "
-              f"other {us['other']:.0f} -> ceiling {ceiling(r):,.0f} jobs/s")
-    started = [r for r in rounds if r.first_message_seconds is not None and r.ok]
-    if started:
-        print("start-up (first message in a queue, to the interval) and the rate after it:")
-    for r in started:
-        print(f"  {r.label}: {r.first_message_seconds:.2f} s, then {steady_rate(r):,.0f} jobs/s")
-    if any(r.raw for r in rounds):
-        print("\nthe broker's ceiling: N raw pika publishers at once, each pipelining 1000 "
-              "confirms with the drain's encoded properties, first publish to last confirm "
-              "(CPU %: broker, idle, other):\n")
-        print("| lanes | drain jobs/s after start-up | raw xN into one queue | "
-              "raw xN into N queues |")
-        print("|---:|---:|---|---|")
-        for r in rounds:
-            if r.queues != 1:
-                continue
-            cells = []
-            for name in ("one queue", "N queues"):
-                raw = r.raw.get(name)
-                cells.append(f"{raw['jobs_per_second']:,.0f}/s ({raw['broker_cpu']:.0f}, "
-                             f"{raw['idle']:.0f}, {raw['other']:.0f})" if raw else "-")
-            print(f"| {r.lanes} | {steady_rate(r):,.0f} | {' | '.join(cells)} |")
-    with_baseline = [r for r in rounds if r.baseline]
-    if with_baseline:
-        print("\nbefore each round (baseline: other load on the machine):")
-    for r in with_baseline:
-        b = r.baseline
-        print(f"  {r.label}: machine busy {b['busy']:.0f} %, broker "
-              f"{b['broker']:.0f} %, postgres {b['postgres']:.0f} % over {b['seconds']} s")
-
-
-def write_results(rounds: list[Round], args: argparse.Namespace, short: str, why: str,
-                  broker_before: dict[str, float] | None) -> None:
-    base = base_rate(rounds)
-    parts = []
-    for r in rounds:
-        if r.queues != 1:
-            continue
-        if not r.ok:
-            parts.append(f"{r.lanes}: failed")
-        elif r.lanes == 1 or base is None:
-            parts.append(f"{r.lanes}: {r.rate:,.0f}/s")
-        else:
-            parts.append(f"{r.lanes}: {r.rate:,.0f}/s ({r.rate / base:.2f}x)")
-    size = "" if args.jobs >= GOAL_JOBS else f" [{args.jobs:,} jobs, not the goal's {GOAL_JOBS:,}]"
-    path = SMOKE_RESULTS if args.smoke else RESULTS
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
-        "name": "lanes-smoke" if args.smoke else "lanes",
-        "summary": [{
-            "target": "5. Scale-out lanes",
-            "goal": "throughput for 1, 2, 4 lanes; say where it stops scaling and why",
-            "measured": f"{', '.join(parts)}; {short}{size}",
-            "met": None,
-        }],
-        "details": {
-            "reason": why,
-            "jobs": args.jobs, "batch_size": args.batch_size, "cores": CORES,
-            "cpu_unit": f"% of one core ({100 * CORES} % = all cores)",
-            "interval": args.interval, "broker_memory_before": broker_before,
-            "rounds": [{
-                "lanes": r.lanes, "queues": r.queues, "ok": r.ok, "error": r.error,
-                "seconds": round(r.seconds, 3), "jobs_per_second": round(r.rate),
-                "x_1_lane": round(r.rate / base, 3) if base and r.ok else None,
-                "first_message_seconds": r.first_message_seconds,
-                "jobs_per_second_after_first_message": round(steady_rate(r)) if r.ok else None,
-                "cpu_us_per_job": per_job_us(r) if r.cpu else None,
-                "ceiling_jobs_per_second": round(ceiling(r)) if r.cpu else None,
-                "stage_seconds": round(r.stage_seconds, 2),
-                "exit_codes": r.exit_codes, "queued": r.queued,
-                "staged_left": r.staged_left, "dead": r.dead,
-                "drain_cpu_seconds": [round(c, 3) for c in r.drain_cpu_seconds],
-                "drain_wall_seconds": [round(w, 3) for w in r.drain_wall_seconds],
-                "cpu": {**r.cpu, "per_drain": r.per_drain},
-                "raw_publishers": r.raw,
-                "baseline": r.baseline, "timeline": r.timeline,
-            } for r in rounds],
-        },
-    }, indent=1) + "\n")
-    print(f"wrote {path.relative_to(ROOT)}", file=sys.stderr)
+        with harness.Setup("lanes_raw") as setup:
+            queues = [setup.queue(str(k)) for k in range(count)]
+            try:
+                rnd.raw[name] = raw_round(rnd, queues, timeout)
+            except (RuntimeError, TimeoutError) as exc:
+                print(f"raw x{rnd.lanes} ({name}) failed: {exc}", file=sys.stderr)
 
 
 def lane_counts(text: str) -> list[int]:
@@ -789,7 +339,7 @@ def lane_counts(text: str) -> list[int]:
 def main() -> int:
     if sys.argv[1:2] == ["--raw-publisher"]:
         return raw_publisher(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--jobs", type=int,
                         default=int(os.environ.get("BENCH_JOBS", str(GOAL_JOBS))),
                         help=f"rows staged per round (env BENCH_JOBS, default {GOAL_JOBS:,})")
@@ -811,8 +361,6 @@ def main() -> int:
                         "over N queues")
     parser.add_argument("--timeout", type=float, default=900.0,
                         help="give up on a round after this many seconds (default 900)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="a tiny run (checks the bench works; no figures)")
     args = parser.parse_args()
     if args.smoke:
         args.jobs, args.lanes_list, args.baseline, args.timeout = 3000, [1, 2], 0.2, 120.0
@@ -847,7 +395,7 @@ def main() -> int:
     print_table(rounds, args.jobs)
     short, why = reason(rounds)
     print(f"\n{why}")
-    write_results(rounds, args, short, why, broker_before)
+    write(rounds, args, short, why, broker_before)
     return 0 if all(r.ok for r in rounds) else 1
 
 
