@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
 import shutil
 import sys
@@ -53,6 +52,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import harness
 import psycopg
 import spark_cluster_bench as scb
 
@@ -63,7 +63,6 @@ if TYPE_CHECKING:
 
     from tests.spark_cluster.standalone import Cluster
 
-RESULTS = Path(__file__).resolve().parent / "results"
 M, TASK = scb.M, scb.TASK
 BACKFILL = "drain backfill (COPY per partition, Arrow)"
 JDBC = "Spark write.jdbc (batchsize 10000)"
@@ -202,21 +201,18 @@ def compare(runs: dict[str, Callable[[Data], None]], url: str, data: Data, round
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = harness.parser((__doc__ or "").splitlines()[0], rounds=2)
     parser.add_argument("--rows", default="1000000,10000000",
                         help="comma-separated record counts (default 1000000,10000000)")
     parser.add_argument("--masters", help="comma-separated, of local (local[*]) and cluster "
                         "(a master and two 1-core workers started here); default "
                         "local,cluster (--smoke: local)")
-    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--partitions", type=int,
                         help="drain backfill's write partitions (default: 4 per core, as the CLI)")
     parser.add_argument("--kill-rows", type=int, help="records of the executor-kill run on "
                         "the cluster (default: the largest --rows; 0: none)")
     parser.add_argument("--reconcile-rows", type=int, help="records of the reconcile "
                         "(default: the largest --rows; 0: none)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="a tiny run (checks the bench works; no figures)")
     args = parser.parse_args()
     if args.smoke:
         args.rows, args.rounds = "5000", 1
@@ -429,15 +425,10 @@ def report_reconciles(reconciles: list[scb.Reconcile]) -> list[dict[str, Any]]:
 def write_results(args: argparse.Namespace, summary: list[dict[str, Any]],
                   details: dict[str, Any]) -> None:
     """bench/results/spark.json; a smoke run's (spark-smoke.json) has no figures."""
-    name = "spark-smoke" if args.smoke else "spark"
     if args.smoke:
-        summary = [{**row, "measured": f"{row['measured']} (smoke: not a figure)", "met": None}
+        summary = [{**row, "measured": f"{row['measured']} (smoke: not a figure)"}
                    for row in summary]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"name": name, "summary": summary, "details": details},
-                               indent=2) + "\n")
-    print(f"\nwrote {path}")
+    harness.write_results("spark", summary, details, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -151,8 +151,7 @@ def parser(doc: str | None, *, rounds: int | None = None) -> argparse.ArgumentPa
                         help="a tiny run: checks the bench works (no figures)")
     if rounds is not None:
         result.add_argument("--rounds", type=int, default=rounds,
-                            help=f"the variants alternate this many rounds; medians are "
-                            f"reported (default {rounds})")
+                            help=f"rounds of every variant (default {rounds})")
     return result
 
 

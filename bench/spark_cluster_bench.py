@@ -33,17 +33,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import harness
 import psycopg
 
 from drain.cli import spark as cli
-from drain.postgres import store
 from drain.spark import backfill, mapping, session
 from tests.spark_cluster import standalone
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-ADMIN_URL = os.environ.get("DRAIN_BENCH_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 APP = "drain bench-spark"
 TASK = "search.index_annotation"
 M = mapping.Mapping(task_name=TASK, key="id", tag="backfill.bench",
@@ -60,18 +59,9 @@ RECONCILE_TAG = "reconcile.bench"
 
 @contextlib.contextmanager
 def database() -> Iterator[str]:
-    name = f"drain_bench_spark_{os.getpid()}"
-    with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.execute(f'CREATE DATABASE "{name}"')
-    url = ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    try:
-        with psycopg.connect(url) as conn:
-            store.migrate(conn)
-        yield url
-    finally:
-        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    """A scratch database, migrated (harness.Setup), dropped however the bench ends."""
+    with harness.Setup("spark") as setup:
+        yield setup.database(f"drain_bench_spark_{os.getpid()}")
 
 
 def empty(url: str) -> None:
