@@ -253,7 +253,7 @@ def run(args: argparse.Namespace, rates: list[float], setup: harness.Setup) -> O
         setup.callback(stop_consumer, consumer, stop)
     with log_path.open("wb") as log_file:
         drain_proc = setup.process(harness.drain_process(
-            *drain_argv, command=command, log=log_file,
+            *drain_argv, command=command, log=log_file, metrics=not args.smoke,
             env={**os.environ, "BENCH_LATENCY_PROBE": str(probe_path)}))
     harness.wait_until(lambda: drain_proc.poll() is not None
                        or "broker connected" in log_path.read_text(errors="replace"), 30,

@@ -184,6 +184,7 @@ class Run:
     samples: list[dict[str, float]] = dataclasses.field(default_factory=list)
     broker_before: dict[str, float] | None = None
     broker_after: dict[str, float] | None = None
+    smoke: bool = False
 
     @property
     def complete(self) -> bool:
@@ -204,7 +205,7 @@ def run_drain(url: str, run: Run, consumer: Consumer | None, log_path: Path) -> 
         return counter.count() + (consumer.consumed if consumer else 0)
 
     with open(log_path, "wb") as log, psycopg.connect(url, autocommit=True) as pg:
-        proc = harness.drain_process(*argv, log=log)
+        proc = harness.drain_process(*argv, log=log, metrics=not run.smoke)
         t0 = time.perf_counter()
         try:
             while True:
@@ -349,7 +350,7 @@ def main() -> int:
     if args.smoke:
         args.rows = 20_000
     run = Run(rows=args.rows, batch_size=args.batch_size, lazy=not args.plain_queue,
-              consume=args.consume, queue="")
+              consume=args.consume, queue="", smoke=args.smoke)
 
     run.broker_before = before = broker_memory()
     need_mb = 100.0 if run.lazy else run.rows * BROKER_BYTES_PER_MESSAGE / 1e6

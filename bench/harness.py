@@ -212,10 +212,13 @@ def running(runner: Drain, *, join: float = 30.0) -> Iterator[threading.Thread]:
 
 def drain_process(*argv: str, env: dict[str, str] | None = None,
                   log: IO[Any] | int | None = subprocess.DEVNULL,
-                  command: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+                  command: Sequence[str] = (), metrics: bool = True) -> subprocess.Popen[bytes]:
     """``python -m drain ARGV`` (or ``command`` + ARGV) from the repository's root,
-    this tree first on PYTHONPATH; its output to ``log``."""
+    this tree first on PYTHONPATH; its output to ``log``. ``metrics=False``: no metrics
+    port (a smoke run, which may run beside other benches' drains on the default one)."""
     base = dict(os.environ if env is None else env)
+    if not metrics:
+        base["DRAIN_METRICS_PORT"] = "0"
     base["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), base.get("PYTHONPATH")) if p)
     return subprocess.Popen([*(command or (sys.executable, "-m", "drain")), *argv], env=base,
                             cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
