@@ -161,9 +161,10 @@ class Publisher(RefusalProbingLink):
     def start(self, messages: Iterable[Message], *, queues: set[str], count: int) -> Batch:
         """Publish a batch without waiting for its confirms; see :meth:`wait`.
 
-        ``messages`` may be a lazy iterable: each message goes out as soon as it
-        is built, so the broker is already storing the first ones while the rest
-        are being built. Several batches may be in flight at once.
+        ``messages`` may be a lazy iterable, built as it is published. Their
+        frames are held back while the batch is written and sent in a few large
+        writes when it is done (drain.broker.corked), before the I/O loop turns
+        again. Several batches may be in flight at once.
 
         Raises :class:`BrokerUnavailable` when nothing could be published (not
         connected, a queue declare refused). A failure after publishing began
