@@ -120,6 +120,15 @@ def _java_child(pid: int) -> int | None:
     return None
 
 
+def _exited(pid: int) -> bool:
+    """``pid`` has exited (reaped, or a zombie whose children were reparented)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
 def test_the_spark_jvm_dying_is_one_line_naming_it(
     spark: SparkSession, db_url: str, tmp_path: Path, blocked: psycopg.Connection[Any],
     spawn: Callable[..., support.Process],
@@ -128,6 +137,10 @@ def test_the_spark_jvm_dying_is_one_line_naming_it(
     java = _java_child(proc.pid)
     assert java is not None, "the driver's JVM is not its child"
     os.kill(java, signal.SIGKILL)
+    # Let the partitions go on only once the JVM has exited: until then its
+    # children are not reparented (a JVM's memory takes a while to tear down under
+    # load), and a partition released at once could commit as a live one would.
+    support.wait_for(lambda: _exited(java), 60, "the killed JVM to exit")
     blocked.execute("SELECT pg_advisory_unlock(%s)", (_LOCK,))
     assert proc.wait(180) == 1, proc.output()
     lines = _lines(proc.output())
