@@ -5,8 +5,9 @@ share is ordered here: every test outside tests/unit holds the broker lock
 (tests/broker_lock.py) shared, and exclusively with the ``broker_alarm``
 fixture; the least-privilege census is gathered from the workers. ``make test``
 hands out whole files (``--dist loadgroup``; PER_TEST_DIRS test by test), so a
-module's tests share a worker. Tests are sorted into the fast tier (``make test-fast``, marker
-``fast``) at collection: :func:`pytest_collection_modifyitems`.
+module's tests share a worker. Tests are sorted into the fast tier (``make
+test-fast``, marker ``fast``), given their group and put in the order the
+workers get them at collection: :func:`pytest_collection_modifyitems`.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ PER_TEST_DIRS = (_TESTS / "spark", _TESTS / "bench")
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the fast tier, and the xdist group of each test (PER_TEST_DIRS).
+    """Mark the fast tier and each test's xdist group (PER_TEST_DIRS), and order
+    the tests for the workers (:func:`_schedule_rank`).
 
     ``fast``: a test in tests/unit or tests/integration that starts no
     subprocess through :data:`SUBPROCESS_FIXTURES` and is not marked ``slow``
