@@ -86,17 +86,31 @@ def feeder() -> tuple[int, int] | None:
     close: an input stream cut at a batch boundary reads as a clean end
     (Arrow and pickled batches alike), so a partition could look complete.
     The dead JVM's children are reparented, so a changed pair means: do not
-    commit.
+    commit. A killed JVM's main thread is a zombie before its other threads
+    have ended and its children are reparented (a while, for a large heap under
+    load): a parent or grandparent in that state counts as gone (-1).
     """
     if not sys.platform.startswith("linux"):
         return None
     parent = os.getppid()
-    try:
-        stat = Path(f"/proc/{parent}/stat").read_text()
-    except OSError:
+    state, grandparent = _state_and_parent(parent)
+    if state in _GONE or _state_and_parent(grandparent)[0] in _GONE:
         return (parent, -1)
+    return (parent, grandparent)
+
+
+#: /proc states of a process that has exited (zombie, dead) or cannot be read.
+_GONE = frozenset("ZX")
+
+
+def _state_and_parent(pid: int) -> tuple[str, int]:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ("X", -1)
     # pid (comm) state ppid ...: comm may contain spaces and parentheses.
-    return (parent, int(stat.rsplit(")", 1)[1].split()[1]))
+    fields = stat.rsplit(")", 1)[1].split()
+    return (fields[0], int(fields[1]))
 
 
 #: pyarrow's words for an IPC stream that ends inside a message (checked with pyarrow

@@ -137,9 +137,9 @@ def test_the_spark_jvm_dying_is_one_line_naming_it(
     java = _java_child(proc.pid)
     assert java is not None, "the driver's JVM is not its child"
     os.kill(java, signal.SIGKILL)
-    # Let the partitions go on only once the JVM has exited: until then its
-    # children are not reparented (a JVM's memory takes a while to tear down under
-    # load), and a partition released at once could commit as a live one would.
+    # Let the partitions go on once the JVM has exited (its main thread a zombie,
+    # possibly before its children are reparented): from then on a writer must
+    # see its feeder gone (drain.spark.task.feeder) and commit nothing.
     support.wait_for(lambda: _exited(java), 60, "the killed JVM to exit")
     blocked.execute("SELECT pg_advisory_unlock(%s)", (_LOCK,))
     assert proc.wait(180) == 1, proc.output()
