@@ -68,3 +68,30 @@ def test_every_cut_inside_a_message_is_recognised_and_nothing_else() -> None:
     assert cut_inside > 0 and clean_ends > 0
     assert not task.cut_stream(pa.ArrowInvalid("Column 1: Invalid UTF8 payload"))
     assert not task.cut_stream(ValueError("Tried reading schema message, was null or length 0"))
+
+
+@pytest.mark.parametrize(("states", "expected"), [
+    # worker <- daemon (S) <- JVM (S): the chain as it was.
+    ({200: ("S", 100), 100: ("S", 1)}, (200, 100)),
+    # The JVM's main thread is a zombie, its children not yet reparented.
+    ({200: ("S", 100), 100: ("Z", 1)}, (200, -1)),
+    # The daemon itself has exited, or cannot be read.
+    ({200: ("Z", 100), 100: ("S", 1)}, (200, -1)),
+    ({100: ("S", 1)}, (200, -1)),
+])
+def test_a_feeder_that_has_exited_counts_as_gone(
+    monkeypatch: pytest.MonkeyPatch, states: dict[int, tuple[str, int]],
+    expected: tuple[int, int],
+) -> None:
+    """A killed JVM's main thread is a zombie before its children are reparented:
+    the pair must change then, or an orphaned writer commits (test_lost)."""
+    monkeypatch.setattr("sys.platform", "linux")
+    monkeypatch.setattr("os.getppid", lambda: 200)
+    monkeypatch.setattr(task, "_state_and_parent", lambda pid: states.get(pid, ("X", -1)))
+    assert task.feeder() == expected
+
+
+def test_the_feeder_of_this_process_is_alive() -> None:
+    """The real /proc read: pytest's parent chain is alive, so no -1."""
+    chain = task.feeder()
+    assert chain is not None and chain[1] != -1
