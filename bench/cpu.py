@@ -20,13 +20,11 @@ TICK = float(os.sysconf("SC_CLK_TCK"))
 
 def process_seconds(pid: int, *, children: bool = False) -> float:
     """User + system CPU seconds of ``pid`` (and its reaped children); 0 if gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    stat = proc_stat(pid)
+    if stat is None:
         return 0.0
-    fields = text.rsplit(")", 1)[1].split()  # after "pid (comm)"; fields from state on
-    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
-    return (utime + stime + (cutime + cstime if children else 0)) / TICK
+    own, reaped, _ = stat
+    return (own + (reaped if children else 0)) / TICK
 
 
 def pids_named(name: str) -> list[int]:
@@ -43,10 +41,8 @@ def pids_named(name: str) -> list[int]:
 
 def machine_seconds() -> tuple[float, float]:
     """(busy, total) CPU seconds of the whole machine since boot."""
-    values = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = values[3] + values[4]  # idle + iowait
-    total = sum(values[:8])  # guest time is already in user
-    return (total - idle) / TICK, total / TICK
+    busy, idle = machine_ticks()
+    return busy / TICK, (busy + idle) / TICK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +125,7 @@ def proc_stat(pid: int) -> tuple[int, int, int] | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
             text = f.read()
-    except (FileNotFoundError, ProcessLookupError):
+    except OSError:
         return None
     # The command name may hold spaces and parentheses: fields follow the last ')'.
     fields = text[text.rindex(")") + 2:].split()
