@@ -1,10 +1,21 @@
-"""A one-line progress bar on stderr, from Spark's status tracker (local mode, at a terminal)."""
+"""A backfill's Spark jobs in one job group: a one-line progress bar on stderr (local
+mode, at a terminal), and after a failure, a wait for the group's tasks still running.
+
+Spark fails a job as soon as one task has failed for good and kills the others
+without waiting: a partition whose Python worker is inside its COPY may still
+commit in the seconds after (up to ``spark.python.task.killTimeout``, 2 s by
+default, before its worker is killed). Waiting for those tasks keeps the promise
+the error makes: once it is reported, nothing of the run is written any more, so
+a re-run started at once does not race the failed one's partitions.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, TextIO
@@ -13,6 +24,10 @@ if TYPE_CHECKING:
     from pyspark import SparkContext
 
 _WIDTH = 30
+#: How long a failed run waits for its killed tasks to end.
+SETTLE_SECONDS = 60.0
+
+log = logging.getLogger(__name__)
 
 
 def bar(done: int, total: int, what: str) -> str:
@@ -25,9 +40,11 @@ def bar(done: int, total: int, what: str) -> str:
 def tracking(
     sc: SparkContext, description: str, *, enabled: bool, stream: TextIO | None = None,
     interval: float = 0.5,
-) -> Iterator[None]:
+) -> Iterator[str]:
     """Run the body's Spark jobs in a job group; while it runs, redraw the bar of the
-    group's latest stage every ``interval`` seconds (when ``enabled``)."""
+    group's latest stage every ``interval`` seconds (when ``enabled``). When the body
+    raises, wait (up to :data:`SETTLE_SECONDS`) until none of the group's tasks runs.
+    Yields the group's id."""
     group = f"drain-{uuid.uuid4().hex[:8]}"
     sc.setJobGroup(group, description)
     out = stream or sys.stderr
@@ -58,9 +75,43 @@ def tracking(
     if enabled:
         thread.start()
     try:
-        yield
+        yield group
+    except BaseException:
+        settle(sc, group)
+        raise
     finally:
         stop.set()
         if enabled:
             thread.join()
         sc.setLocalProperty("spark.jobGroup.id", None)  # type: ignore[arg-type]
+
+
+def active_tasks(sc: SparkContext, group: str) -> int:
+    """Tasks of the job group's stages that have started and not ended."""
+    tracker = sc.statusTracker()
+    return sum(
+        info.numActiveTasks
+        for job_id in tracker.getJobIdsForGroup(group)
+        if (job := tracker.getJobInfo(job_id)) is not None
+        for stage_id in job.stageIds
+        if (info := tracker.getStageInfo(stage_id)) is not None
+    )
+
+
+def settle(sc: SparkContext, group: str, timeout: float = SETTLE_SECONDS,
+           interval: float = 0.1) -> bool:
+    """Wait until none of ``group``'s tasks runs; False (and a warning) after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            running = active_tasks(sc, group)
+        except Exception:
+            return True
+        if not running:
+            return True
+        if time.monotonic() > deadline:
+            log.warning("%d task(s) of the failed backfill still run after %.0f s; a "
+                        "re-run started now may find their partitions committed", running,
+                        timeout)
+            return False
+        time.sleep(interval)

@@ -6,6 +6,7 @@
   (``spark_cli.add_parsers``) next to its own commands.
 * While a job runs, the progress bar shows the stage's tasks; it ends with a
   newline.
+* A failed job is reported only once its other tasks have ended.
 """
 
 from __future__ import annotations
@@ -101,3 +102,31 @@ def test_progress_bar_shows_the_running_stage(spark: SparkSession, tmp_path: Pat
         releaser.join()
     assert "\rtest: stage " in out.getvalue()
     assert out.getvalue().endswith("\n")
+
+
+def test_a_failed_job_is_reported_once_its_other_tasks_ended(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Spark fails a job at its first lasting failure and kills its other tasks
+    without waiting: a backfill partition inside its COPY could still commit after
+    the error was reported (seen: a resume counted 102 staged rows, the failed run
+    committed 43 more behind it). tracking() returns only once they ended."""
+    started = tmp_path / "started"
+
+    def task(index: int, _rows: object) -> list[int]:
+        deadline = time.monotonic() + 60
+        if index == 0:  # fails (every attempt) once the other task runs
+            while not started.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise RuntimeError("fails on purpose")
+        started.touch()
+        while time.monotonic() < deadline:  # runs until Spark kills it
+            time.sleep(0.01)
+        return [index]
+
+    sc = spark.sparkContext
+    with (pytest.raises(Exception, match="fails on purpose"),
+          progress.tracking(sc, "test", enabled=False) as group):
+        sc.parallelize(range(2), 2).mapPartitionsWithIndex(task).collect()
+    assert started.exists()
+    assert progress.active_tasks(sc, group) == 0
