@@ -12,7 +12,6 @@ workers get them at collection: :func:`pytest_collection_modifyitems`.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 from collections.abc import Iterator
@@ -77,9 +76,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 _RANK = {"acceptance": 0, "package": 0, "integration": 1, "docs": 1, "deploy": 2, "unit": 2}
 
 
-def _schedule_rank(item: pytest.Item) -> int:
+def _schedule_rank(item: pytest.Item) -> tuple[int, bool]:
+    """The directory's rank; of the tests dealt one by one, the ``slow`` ones (tens of
+    seconds, e.g. a JVM of their own) first, so that none of them starts last."""
     top = item.path.relative_to(_TESTS).parts[0]
-    return _RANK.get(top, 3)
+    rank = _RANK.get(top, 3)
+    return rank, rank == 3 and item.get_closest_marker("slow") is None
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
@@ -96,25 +98,11 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def _database(name: str, template: str | None = None) -> Iterator[str]:
-    """CREATE DATABASE (from ``template``), yield its URL, DROP it (even if in use)."""
-    clause = f' TEMPLATE "{template}"' if template else ""
-    with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.execute(f'CREATE DATABASE "{name}"{clause}')
-    try:
-        yield support.database_url(name)
-    finally:
-        with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
 @pytest.fixture(scope="session")
 def template_db() -> Iterator[str]:
     """A migrated database that per-test databases are cloned from."""
     name = f"drain_tpl_{os.getpid()}"
-    with _database(name) as url:
+    with support.database(name) as url:
         with psycopg.connect(url) as conn:
             store.migrate(conn)
         roles.ensure(support.ADMIN_URL)  # the login roles that hold its group roles
@@ -177,14 +165,14 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 @pytest.fixture
 def db_url(template_db: str) -> Iterator[str]:
     """A fresh, migrated database for this test only."""
-    with _database(support.unique("drain_t"), template_db) as url:
+    with support.database(support.unique("drain_t"), template_db) as url:
         yield url
 
 
 @pytest.fixture
 def empty_db_url() -> Iterator[str]:
     """A fresh database without the staging schema."""
-    with _database(support.unique("drain_e")) as url:
+    with support.database(support.unique("drain_e")) as url:
         yield url
 
 

@@ -49,6 +49,29 @@ def unique(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:10]}"
 
 
+@contextlib.contextmanager
+def database(name: str, template: str | None = None) -> Iterator[str]:
+    """CREATE DATABASE (from ``template``), yield its URL, DROP it (even if in use).
+    A template still in use by a session that is ending is waited for (10 s)."""
+    clause = f' TEMPLATE "{template}"' if template else ""
+    with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                admin.execute(f'CREATE DATABASE "{name}"{clause}')
+                break
+            except psycopg.errors.ObjectInUse:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    try:
+        yield database_url(name)
+    finally:
+        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 def wait_for(
     condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05
 ) -> Any:

@@ -45,13 +45,13 @@ BENCHES = [
     "throughput",
     "latency",
     "staging",
-    "mvcc",
+    pytest.param("mvcc", marks=pytest.mark.slow),  # tens of seconds
     "memory",
-    "lanes",
+    pytest.param("lanes", marks=pytest.mark.slow),  # tens of seconds
     "priority",
     "crashes",
     "paused",
-    pytest.param("spark", marks=pytest.mark.spark),
+    pytest.param("spark", marks=[pytest.mark.spark, pytest.mark.slow]),  # a JVM of its own
 ]
 
 

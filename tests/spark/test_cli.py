@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.spark
 
 
+@pytest.mark.slow  # a JVM of its own
 def test_module_runs_a_dry_run_in_its_own_process(
     spark: SparkSession, db_url: str, tmp_path: Path
 ) -> None:

@@ -60,6 +60,7 @@ def _spark_submit(tmp_path: Path, args: list[str], name: str) -> tuple[int, str,
     return code, out.read_text(errors="replace"), err.read_text(errors="replace")
 
 
+@pytest.mark.slow  # spark-submit: a JVM of its own
 def test_under_spark_submit_the_json_file_holds_the_result_apart_from_errors(
     spark: SparkSession, db_url: str, tmp_path: Path
 ) -> None:

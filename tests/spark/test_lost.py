@@ -89,6 +89,7 @@ def _lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.strip() and not _JVM_START.match(line)]
 
 
+@pytest.mark.slow  # a backfill process: a JVM of its own
 def test_postgres_terminating_the_partitions_connections_exits_3(
     spark: SparkSession, db_url: str, tmp_path: Path, blocked: psycopg.Connection[Any],
     spawn: Callable[..., support.Process],
@@ -129,6 +130,7 @@ def _exited(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
+@pytest.mark.slow  # a backfill process: a JVM of its own
 def test_the_spark_jvm_dying_is_one_line_naming_it(
     spark: SparkSession, db_url: str, tmp_path: Path, blocked: psycopg.Connection[Any],
     spawn: Callable[..., support.Process],
