@@ -54,7 +54,7 @@ ARGS ?=
 # and tests/bench, whose tests go one by one (tests/conftest.py, PER_TEST_DIRS;
 # docs/development.md, "Tests in parallel").
 TEST_WORKERS ?= 4
-PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 FAST_WORKERS ?= 4
 
 .PHONY: venv demo-venv services demo test test-fast test-unit test-spark-cluster lint docs
@@ -92,7 +92,11 @@ demo: services demo-venv
 	$(DEMO_VENV)/bin/python -m celery_app.demo
 
 # pytest exits 5 when it collected no tests: that is a failure too, and says so.
+# Bytecode for drain's and the tests' own modules, written once: where
+# PYTHONDONTWRITEBYTECODE is set (as on the CI machines), every process the tests
+# start (CLI runs, drains, workers, Spark's Python workers) compiled them again.
 define run_tests
+	@$(BIN)/python -m compileall -q -j 0 drain tests bench celery_app
 	$(info $(strip $(TEST_CMD) $(1)))
 	@$(TEST_CMD) $(1) || { status=$$?; \
 	  if [ $$status -eq 5 ]; then echo "make: pytest collected no tests (exit 5)" >&2; fi; \

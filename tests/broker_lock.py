@@ -3,8 +3,9 @@
 A memory alarm (tests/broker_alarm.py) blocks *every* publisher on the broker,
 so a test that raises one must not overlap any other test that talks to
 RabbitMQ: not in this run's other pytest-xdist workers, nor in another test run
-on the same machine. Every test outside tests/unit holds this lock shared for
-its whole run (tests/conftest.py) and a test that asks for the ``broker_alarm``
+on the same machine. Every test outside tests/unit and tests/spark (there: the
+ones marked ``broker``) holds this lock shared for its whole run
+(tests/conftest.py) and a test that asks for the ``broker_alarm``
 fixture holds it exclusively; :func:`tests.broker_alarm.raise_alarm` refuses to
 raise an alarm without it.
 

@@ -68,30 +68,42 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=_schedule_rank)
 
 
-#: The order pytest-xdist hands work out in (it follows the collection order): the
-#: files that go whole to a worker first, the ones of subprocess-heavy directories
-#: before the rest, and the tests dealt one by one (PER_TEST_DIRS) last, where
-#: they fill the workers evenly instead of leaving one busy with a long file at
-#: the end. Within a directory, and within a file, the order stays.
+#: The order pytest-xdist hands work out in: the collection order, as make test
+#: runs it with --no-loadscope-reorder (xdist's default sorts the groups by their
+#: number of tests, which put three 17-second alarm tests and a one-minute test
+#: in the middle of the run). The files that go whole to a worker first, the ones
+#: of subprocess-heavy directories before the rest, and the tests dealt one by
+#: one (PER_TEST_DIRS) last, where they fill the workers evenly instead of
+#: leaving one busy with a long file at the end.
 _RANK = {"acceptance": 0, "package": 0, "integration": 1, "docs": 1, "deploy": 2, "unit": 2}
 
 
-def _schedule_rank(item: pytest.Item) -> tuple[int, bool]:
-    """The directory's rank; of the tests dealt one by one, the ``slow`` ones (tens of
-    seconds, e.g. a JVM of their own) first, so that none of them starts last."""
+def _schedule_rank(item: pytest.Item) -> tuple[int, int]:
+    """(the directory's rank, then within it):
+
+    * the broker alarm tests join the last rank, first: they hold the broker lock
+      alone, and the tests of tests/spark the other workers are given then need
+      none (:func:`pytest_runtest_protocol`), so nobody waits for them;
+    * a ``slow`` test (tens of seconds, e.g. a JVM of its own) before the others,
+      and with it the rest of its file: a long one never starts last.
+    """
     top = item.path.relative_to(_TESTS).parts[0]
-    rank = _RANK.get(top, 3)
-    return rank, rank == 3 and item.get_closest_marker("slow") is None
+    if "broker_alarm" in getattr(item, "fixturenames", ()):
+        return 3, 0
+    return _RANK.get(top, 3), 1 if item.get_closest_marker("slow") else 2
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     """The broker lock (tests/broker_lock.py) for the whole test, setup and teardown
     included: exclusively for a test that raises a memory alarm (``broker_alarm``),
-    shared for the others; tests/unit talk to no broker and take none. Taken
-    outside pytest-timeout's watch: a test's time limit is for the test, not for
-    the wait for an alarm test elsewhere to end."""
-    if item.path.is_relative_to(FAST_DIRS[0]):
+    shared for the others. tests/unit talk to no broker and take none, nor do the
+    tests of tests/spark unless marked ``broker`` (the backfills write to Postgres
+    only). Taken outside pytest-timeout's watch: a test's time limit is for the
+    test, not for the wait for an alarm test elsewhere to end."""
+    if item.path.is_relative_to(FAST_DIRS[0]) or (
+            item.path.is_relative_to(_TESTS / "spark")
+            and item.get_closest_marker("broker") is None):
         yield
         return
     with broker_lock.held(exclusive="broker_alarm" in getattr(item, "fixturenames", ())):

@@ -109,6 +109,7 @@ def test_a_backfill_with_struct_star_stages_the_record_as_kwargs(
     assert sorted(r["args"] for r in rows) == [[i] for i in range(40)]
 
 
+@pytest.mark.broker  # a drain and a worker
 def test_a_celery_worker_runs_every_job_of_a_struct_star_backfill(
     spark: SparkSession, db_url: str, queue: str, spawn: Any, *, tmp_path: Path,
     capsys: pytest.CaptureFixture[str],

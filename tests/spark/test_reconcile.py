@@ -262,6 +262,7 @@ def _index(db_url: str) -> dict[int, tuple[int, bool]]:
 
 
 @pytest.mark.usefixtures("jdbc")
+@pytest.mark.broker  # a drain and a worker
 def test_reconcile_stage_repairs_the_search_index_end_to_end(
     db_url: str, queue: str, spawn: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
