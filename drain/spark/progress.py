@@ -76,7 +76,7 @@ def tracking(
         thread.start()
     try:
         yield group
-    except BaseException:
+    except Exception:  # not on Ctrl-C: who stops the run does not want to wait
         settle(sc, group)
         raise
     finally:
@@ -105,7 +105,7 @@ def settle(sc: SparkContext, group: str, timeout: float = SETTLE_SECONDS,
     while True:
         try:
             running = active_tasks(sc, group)
-        except Exception:
+        except Exception:  # the context is gone (the JVM died): nothing of it runs
             return True
         if not running:
             return True
