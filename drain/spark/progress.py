@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
-    from pyspark import SparkContext
+    from pyspark import SparkContext, SparkStageInfo
 
 _WIDTH = 30
 #: How long a failed run waits for its killed tasks to end.
@@ -51,16 +51,9 @@ def tracking(
     stop = threading.Event()
 
     def draw() -> None:
-        tracker = sc.statusTracker()
         shown = False
         while not stop.wait(interval):
-            stages = [
-                info
-                for job_id in tracker.getJobIdsForGroup(group)
-                if (job := tracker.getJobInfo(job_id)) is not None
-                for stage_id in job.stageIds
-                if (info := tracker.getStageInfo(stage_id)) is not None and info.numTasks
-            ]
+            stages = [info for info in _stages(sc, group) if info.numTasks]
             if stages:
                 stage = max(stages, key=lambda s: s.stageId)
                 out.write(f"\r{description}: stage {stage.stageId} "
@@ -86,16 +79,20 @@ def tracking(
         sc.setLocalProperty("spark.jobGroup.id", None)  # type: ignore[arg-type]
 
 
+def _stages(sc: SparkContext, group: str) -> Iterator[SparkStageInfo]:
+    """What the status tracker knows of the job group's stages."""
+    tracker = sc.statusTracker()
+    for job_id in tracker.getJobIdsForGroup(group):
+        job = tracker.getJobInfo(job_id)
+        for stage_id in job.stageIds if job is not None else ():
+            info = tracker.getStageInfo(stage_id)
+            if info is not None:
+                yield info
+
+
 def active_tasks(sc: SparkContext, group: str) -> int:
     """Tasks of the job group's stages that have started and not ended."""
-    tracker = sc.statusTracker()
-    return sum(
-        info.numActiveTasks
-        for job_id in tracker.getJobIdsForGroup(group)
-        if (job := tracker.getJobInfo(job_id)) is not None
-        for stage_id in job.stageIds
-        if (info := tracker.getStageInfo(stage_id)) is not None
-    )
+    return sum(info.numActiveTasks for info in _stages(sc, group))
 
 
 def settle(sc: SparkContext, group: str, timeout: float = SETTLE_SECONDS,
