@@ -94,13 +94,18 @@ def feeder() -> tuple[int, int] | None:
         return None
     parent = os.getppid()
     state, grandparent = _state_and_parent(parent)
-    if state in _GONE or _state_and_parent(grandparent)[0] in _GONE:
+    if state in _GONE or exited(grandparent):
         return (parent, -1)
     return (parent, grandparent)
 
 
 #: /proc states of a process that has exited (zombie, dead) or cannot be read.
 _GONE = frozenset("ZX")
+
+
+def exited(pid: int) -> bool:
+    """``pid`` has exited: reaped, or a zombie (Linux /proc)."""
+    return _state_and_parent(pid)[0] in _GONE
 
 
 def _state_and_parent(pid: int) -> tuple[str, int]:

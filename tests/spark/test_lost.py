@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 import pytest
 
+from drain.spark import task
 from tests import roles, support
 from tests.spark import helpers
 
@@ -121,15 +122,6 @@ def _java_child(pid: int) -> int | None:
     return None
 
 
-def _exited(pid: int) -> bool:
-    """``pid`` has exited (reaped, or a zombie whose children were reparented)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
-
-
 @pytest.mark.slow  # a backfill process: a JVM of its own
 def test_the_spark_jvm_dying_is_one_line_naming_it(
     spark: SparkSession, db_url: str, tmp_path: Path, blocked: psycopg.Connection[Any],
@@ -142,7 +134,7 @@ def test_the_spark_jvm_dying_is_one_line_naming_it(
     # Let the partitions go on once the JVM has exited (its main thread a zombie,
     # possibly before its children are reparented): from then on a writer must
     # see its feeder gone (drain.spark.task.feeder) and commit nothing.
-    support.wait_for(lambda: _exited(java), 60, "the killed JVM to exit")
+    support.wait_for(lambda: task.exited(java), 60, "the killed JVM to exit")
     blocked.execute("SELECT pg_advisory_unlock(%s)", (_LOCK,))
     assert proc.wait(180) == 1, proc.output()
     lines = _lines(proc.output())
