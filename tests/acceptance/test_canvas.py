@@ -165,14 +165,8 @@ def test_a_celery_worker_runs_chains_and_callbacks_to_their_end(
                       lambda runs: any(r[2] == [1000, 1] for r in runs))
     assert not [r for r in runs if 100 in r[2]]
     # A worker may run a job before the drain has deleted its confirmed row.
-    support.wait_for(lambda: _staged(db_url) == 0, 60, "the drain to delete every row")
-
-
-def _staged(db_url: str) -> int:
-    with psycopg.connect(db_url) as conn:
-        row = conn.execute("SELECT count(*) FROM staged_jobs").fetchone()
-    assert row is not None
-    return int(row[0])
+    support.wait_for(lambda: support.staged_count(db_url) == 0, 60,
+                     "the drain to delete every row")
 
 
 def test_a_worker_gets_kombus_types_as_from_apply_async_and_runs_starmap(
