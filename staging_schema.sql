@@ -128,6 +128,27 @@ BEGIN
 END
 $$;
 
+-- The OpenTelemetry context of the code that staged the job: the carrier its
+-- propagators write, {"traceparent": "00-<trace id>-<span id>-01",
+-- "tracestate": "...", "baggage": "..."} (drain.stage() fills it in when
+-- OpenTelemetry is in use; from SQL give it yourself, docs/tracing.md). NULL:
+-- none. The drain sends traceparent, tracestate and baggage on as message
+-- headers (where Celery's instrumentation reads them) and ignores other keys,
+-- values that are not strings and values beyond the W3C limits.
+-- "drain.link" (set by `drain dead requeue`) asks for a new trace linked to
+-- this one. NOT VALID, as for embed: the rows already staged are NULL.
+ALTER TABLE staged_jobs ADD COLUMN IF NOT EXISTS trace jsonb;
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_constraint
+                   WHERE conrelid = 'staged_jobs'::regclass
+                     AND conname = 'staged_jobs_trace_is_object') THEN
+        ALTER TABLE staged_jobs ADD CONSTRAINT staged_jobs_trace_is_object
+            CHECK (jsonb_typeof(trace) = 'object') NOT VALID;
+    END IF;
+END
+$$;
+
 -- xact is the staging transaction's id, and only that: a value given by an
 -- INSERT (a copy of another table's rows, a restore) or kept by an UPDATE
 -- (which makes a row new to the drain: another queue, no delay any more) is
@@ -298,6 +319,8 @@ CREATE TABLE IF NOT EXISTS dead_jobs (
 );
 -- Its embed (staged_jobs.embed), kept for a requeue.
 ALTER TABLE dead_jobs ADD COLUMN IF NOT EXISTS embed jsonb;
+-- Its OpenTelemetry context (staged_jobs.trace), kept for a requeue.
+ALTER TABLE dead_jobs ADD COLUMN IF NOT EXISTS trace jsonb;
 -- A dead_jobs table from before dead_id had its primary key on id.
 DO $$
 BEGIN

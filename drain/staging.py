@@ -32,10 +32,10 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from drain import staging_values
+from drain import staging_values, trace_context
 from drain.errors import StagingError, UnsupportedConnection
 from drain.signatures import from_signature
-from drain.staging_values import COLUMNS, EMBED_COLUMNS, Row
+from drain.staging_values import COLUMNS, EMBED_COLUMNS, TRACE_COLUMN, Row
 
 #: Where a job staged without a queue goes when the drain runs without ``--app``.
 DEFAULT_QUEUE = "celery"
@@ -43,6 +43,7 @@ DEFAULT_QUEUE = "celery"
 _CASTS = {
     "task_id": "uuid", "args": "jsonb", "kwargs": "jsonb", "priority": "smallint",
     "not_before": "timestamptz", "expires_at": "timestamptz", "embed": "jsonb",
+    "trace": "jsonb",
 }
 _MULTI_ROW_CHUNK = 500
 
@@ -121,11 +122,13 @@ def stage(
                                "drain.stage(conn, signature) takes nothing else")
         spec = from_signature(task_name)
         row = staging_values.row(spec.pop("task_name"), spec.pop("args"), spec.pop("kwargs"),
-                                 spec.pop("queue", None), spec.pop("task_id", None), **spec)
+                                 spec.pop("queue", None), spec.pop("task_id", None),
+                                 trace=trace_context.capture(), **spec)
     else:
         row = staging_values.row(
             task_name, args, kwargs, queue, task_id,
             priority=priority, tag=tag, countdown=countdown, eta=eta, expires=expires,
+            trace=trace_context.capture(),
         )
     _execute_insert(conn, [row])
     return row.task_id
@@ -135,8 +138,10 @@ def stage_many(conn: Any, jobs: Iterable[Job | Mapping[str, Any]]) -> list[uuid.
     """Stage many jobs in one round trip (COPY on psycopg 3, multi-row INSERT otherwise).
 
     Every job is validated before anything is written; returns the task ids
-    in the order of ``jobs``.
+    in the order of ``jobs``. Each job carries the caller's OpenTelemetry
+    context, as with :func:`stage`.
     """
+    trace = trace_context.capture()
     rows = []
     for position, job in enumerate(jobs):
         if isinstance(job, Job):  # not dataclasses.asdict: it deep-copies the args
@@ -164,6 +169,7 @@ def stage_many(conn: Any, jobs: Iterable[Job | Mapping[str, Any]]) -> list[uuid.
                 countdown=spec.get("countdown"),
                 eta=spec.get("eta"),
                 expires=spec.get("expires"),
+                trace=trace,
             )
         )
     if rows:
@@ -189,7 +195,11 @@ def _is_sqlalchemy(conn: Any) -> bool:
 
 
 def _columns(rows: list[Row]) -> tuple[str, ...]:
-    return EMBED_COLUMNS if any(row.embed is not None for row in rows) else COLUMNS
+    """The columns the rows give: embed and trace only when some row has one."""
+    columns = EMBED_COLUMNS if any(row.embed is not None for row in rows) else COLUMNS
+    if any(row.trace is not None for row in rows):
+        columns = (*columns, TRACE_COLUMN)
+    return columns
 
 
 def _copy_columns(rows: list[Row]) -> tuple[str, ...]:

@@ -45,6 +45,9 @@ COLUMNS = (
 #: With a row that has an embed (a signature's callbacks, a chain): only then, so
 #: that staging by name works on a schema from before the column.
 EMBED_COLUMNS = (*COLUMNS, "embed")
+#: The OpenTelemetry context captured at staging (drain.trace_context), likewise
+#: only in the statement of rows that have one.
+TRACE_COLUMN = "trace"
 # A \u0000 escape in JSON text: preceded by an even number of backslashes, so
 # that a string holding a literal backslash followed by "u0000" is not taken
 # for a NUL.
@@ -69,6 +72,9 @@ class Row:
     expires_at: dt.datetime | None
     #: Celery's embed as JSON text (drain.signatures); None: none.
     embed: str | None = None
+    #: The staging caller's OpenTelemetry context, its propagators' carrier as
+    #: JSON text (drain.trace_context); None: none.
+    trace: str | None = None
 
     def values(self, columns: tuple[str, ...] = COLUMNS) -> tuple[Any, ...]:
         """Column values in ``columns`` order, as COPY takes them."""
@@ -98,6 +104,7 @@ def row(  # noqa: PLR0912 - one check per argument reads best in a row
     eta: Any = None,
     expires: Any = None,
     embed: Mapping[str, Any] | None = None,
+    trace: str | None = None,
 ) -> Row:
     """The row of one job; StagingError naming the field for anything it cannot hold.
 
@@ -173,6 +180,7 @@ def row(  # noqa: PLR0912 - one check per argument reads best in a row
         not_before=not_before,
         expires_at=expires_at,
         embed=None if embed is None else encode(task_name, "callbacks or chain", embed),
+        trace=trace,
     )
 
 

@@ -207,11 +207,13 @@ class CeleryPropertiesEncoder:
         shadow: str | None = None,
         content: tuple[str, str] | None = None,
         compression: str | None = None,
+        trace: dict[str, str] | None = None,
     ) -> bytes:
         """``timelimit`` None is ``[None, None]``; ``priority`` None leaves the
         priority property out (what ``apply_async`` of a task without one sends);
         ``content`` (content type, content encoding) None is JSON; ``compression``
-        is the last header, as kombu adds it."""
+        is the last header, as kombu adds it; ``trace`` (OpenTelemetry's string
+        headers) comes before it."""
         task_id_field = field(task_id)
         inner = b"".join(
             (
@@ -223,6 +225,7 @@ class CeleryPropertiesEncoder:
                 self._c2c, task_id_field, self._c3, field(argsrepr), self._c4,
                 field(kwargsrepr), self._c5, field(ignore_result), self._c5b,
                 b"" if tag is None else self._tag_key + field(tag),
+                b"" if not trace else b"".join([shortstr(k) + field(v) for k, v in trace.items()]),
                 b"" if compression is None else self._compression_key + field(compression),
             )
         )

@@ -93,10 +93,11 @@ class Builder:
         self._encoder = amqp.CeleryPropertiesEncoder(origin=origin, reply_to=reply_to)
 
     def build(self, row: StagedRow, now: float | None = None,
-              destination: Destination | None = None) -> Message:
+              destination: Destination | None = None,
+              trace: dict[str, str] | None = None) -> Message:
         return build(row, origin=self.origin, reply_to=self.reply_to,
                      max_priority=self.max_priority, now=now, encoder=self._encoder,
-                     destination=destination)
+                     destination=destination, trace=trace)
 
 
 def amqp_priority(priority: int, max_priority: int) -> int:
@@ -117,6 +118,7 @@ def build(
     now: float | None = None,
     encoder: amqp.CeleryPropertiesEncoder | None = None,
     destination: Destination | None = None,
+    trace: dict[str, str] | None = None,
 ) -> Message:
     """What ``send_task(name, args, kwargs, task_id=..., queue=..., expires=...)`` sends.
 
@@ -130,6 +132,10 @@ def build(
     that app's ``task.apply_async(args, kwargs, task_id=...)`` sends: to its
     exchange and routing key, with the task's time limits, ``ignore_result``
     and default priority (a row's own non-zero priority wins, on a priority queue).
+
+    ``trace``: OpenTelemetry's headers (``traceparent``, ``tracestate``,
+    ``baggage``; drain.daemon.tracing), after the others, where Celery's
+    instrumentation puts them in ``apply_async``.
     """
     task_id = str(row.task_id)
     # As the worker decodes them: kombu's type markers as the types they stand for.
@@ -185,6 +191,8 @@ def build(
     }
     if row.tag is not None:
         headers[amqp.TAG_HEADER] = row.tag
+    if trace:
+        headers.update(trace)
     plain_json = body_encoding.serializer == "json"
     if plain_json:
         embed = _EMBED if row.embed_json is None else ascii_json(row.embed_json)
@@ -224,7 +232,7 @@ def build(
                 timelimit=timelimit, ignore_result=ignore_result, shadow=shadow,
                 content=(None if plain_json and compression is None else
                          (body_encoding.content_type, body_encoding.content_encoding)),
-                compression=compression,
+                compression=compression, trace=trace,
             )
             if encoder is not None and encoder.matches(origin, reply_to)
             else amqp.encode_properties(headers=headers, **{"priority": None, **properties})

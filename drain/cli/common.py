@@ -131,7 +131,7 @@ def settings_of(args: argparse.Namespace, **overrides: Any) -> config.Settings:
                  "db_timeout", "broker_heartbeat",
                  "queue_declare", "lock_key", "queue_max_priority", "max_message_size",
                  "fetch_strategy", "rescan_interval", "lanes", "lane", "celery_app",
-                 "allow_unknown_tasks"):
+                 "allow_unknown_tasks", "trace_context", "trace_new_after"):
         if hasattr(args, name):
             values[name] = getattr(args, name)
     values.update(overrides)

@@ -171,6 +171,23 @@ def _add_run_parser(sub: Any) -> None:
         help="with the keyset fetch, rescan from the head of the index this often: a "
         "belt-and-braces backstop, which the low-water marks do not rely on; 0: never",
     )
+    p.add_argument(
+        "--trace-context",
+        choices=("child", "link", "none"),
+        default=env("DRAIN_TRACE_CONTEXT", "child"),
+        help="OpenTelemetry (docs/tracing.md): child (default): a job's publish span, and "
+        "the worker's span after it, join the trace of the code that staged it; link: "
+        "they start a new trace linked to it; none: the staging context is not used "
+        "(env DRAIN_TRACE_CONTEXT)",
+    )
+    options.add(
+        p, "--trace-new-after", env="DRAIN_TRACE_NEW_AFTER", default=300.0,
+        parse=options.POSITIVE_SECONDS,
+        metavar="SECONDS",
+        help="a job staged longer ago than this (delayed, or kept while the drain or the "
+        "broker was down) starts a new trace linked to its staging context, so that no "
+        "trace spans hours",
+    )
     options.add(
         p, "--lanes", env="DRAIN_LANES", default=1,
         parse=options.Number(whole=True, low=1, high=config.MAX_LANES),

@@ -42,6 +42,8 @@ HISTORY_SECONDS = 20 * 60
 
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
             10.0, 30.0)
+_WAIT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+         900.0, 3600.0)
 _ROWS = (1, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
 
 
@@ -106,6 +108,11 @@ class Metrics:
             "drain_fetch_seconds", "Wall time of a batch's fetch queries.", _SECONDS)
         self.publish_seconds = histogram(
             "drain_publish_seconds", "Wall time to build and publish a batch.", _SECONDS)
+        self.job_wait_seconds = histogram(
+            "drain_job_wait_seconds",
+            "How long the longest-waiting job of each published batch waited in staged_jobs "
+            "(since it was staged, or became due), its trace id as the exemplar when it was "
+            "sampled (OpenMetrics).", _WAIT)
         self.confirm_seconds = histogram(
             "drain_confirm_seconds",
             "Wall time spent waiting for the previous batch's confirms.", _SECONDS)

@@ -26,6 +26,7 @@ from drain.celery.routing import AppRouter, UnknownTask
 from drain.daemon.holds import Holds
 from drain.daemon.metrics import Metrics
 from drain.daemon.settle import Settle
+from drain.daemon.tracing import Tracing
 from drain.errors import (
     BatchConflict,
     BrokerBlocked,
@@ -67,8 +68,11 @@ class Pipeline:
         on_fetch: Callable[[float, int], None] | None = None,
         on_expire: Callable[[float, int], None] | None = None,
         router: AppRouter | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.settings = settings
+        #: What becomes of each job's OpenTelemetry context (drain.daemon.tracing).
+        self.tracing = tracing or Tracing(settings.trace_context, settings.trace_new_after)
         #: The user's Celery app's routing (drain.celery.routing), with ``--app``.
         self.router = router
         self.metrics = metrics
@@ -271,11 +275,16 @@ class Pipeline:
         if not publishable:
             return None
         self._prove_lock()
-        return self._publisher.start(
-            self._messages([row for row, _ in publishable], doomed, destinations),
-            queues={queue for _, queue in publishable},
-            count=len(publishable),
-        )
+        tracing = self.tracing
+        tracing.begin_batch()
+        try:
+            return self._publisher.start(
+                self._messages([row for row, _ in publishable], doomed, destinations),
+                queues={queue for _, queue in publishable},
+                count=len(publishable),
+            )
+        finally:
+            tracing.end_batch([row for row, _ in publishable], self.metrics.job_wait_seconds)
 
     def _route(self, rows: list[StagedRow],
                doomed: list[tuple[int, str, str]]) -> dict[int, Destination]:
@@ -324,17 +333,29 @@ class Pipeline:
         """Build each row's message; a row that can never be one goes to ``doomed``."""
         now = time.time()
         limit = self.settings.max_message_size
+        tracing = self.tracing
         for row in rows:
+            destination = destinations.get(row.id)
+            traced = (tracing.message(row, row.queue, "", row.queue, now) if destination is None
+                      else tracing.message(row, destination.queue, destination.exchange,
+                                           destination.routing_key, now))
             try:
-                built = self.builder.build(row, now=now, destination=destinations.get(row.id))
+                built = self.builder.build(row, now=now, destination=destination,
+                                           trace=None if traced is None else traced.headers)
             except Exception as exc:
+                if traced is not None:
+                    tracing.failed(traced, exc)
                 doomed.append((row.id, "invalid", f"{type(exc).__name__}: {exc}"[:1000]))
                 continue
             if len(built.body) > limit:
-                doomed.append((row.id, "too_large",
-                               f"message body of {len(built.body)} bytes exceeds "
-                               f"max_message_size ({limit} bytes)"))
+                detail = (f"message body of {len(built.body)} bytes exceeds "
+                          f"max_message_size ({limit} bytes)")
+                if traced is not None:
+                    tracing.failed(traced, ValueError(detail))
+                doomed.append((row.id, "too_large", detail))
                 continue
+            if traced is not None:
+                tracing.sent(traced, len(built.body))
             yield built
 
     # -- queues the broker refuses (drain.daemon.holds) --------------------------------------

@@ -32,7 +32,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 
 from drain.errors import ConfigError
 
@@ -103,8 +103,10 @@ class _Handler(BaseHTTPRequestHandler):
         state = self.server_state
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
-            self._send(HTTPStatus.OK, CONTENT_TYPE_LATEST,
-                       generate_latest(state.drain.metrics.registry))
+            # OpenMetrics when the scraper asks for it (Prometheus does): the only
+            # exposition with exemplars (drain_job_wait_seconds' trace ids).
+            encode, content_type = choose_encoder(self.headers.get("Accept", ""))
+            self._send(HTTPStatus.OK, content_type, encode(state.drain.metrics.registry))
         elif path == "/healthz":
             alive = state.drain.health()["alive"]
             self._send(HTTPStatus.OK if alive else HTTPStatus.SERVICE_UNAVAILABLE,

@@ -110,7 +110,10 @@ def requeue(
 
     They keep their task id, priority, tag, queue, embed (callbacks, a chain's
     next tasks) and ``queue_legacy`` (a job staged without a queue before the
-    upgrade is still routed as "no queue given"), and are due at once.
+    upgrade is still routed as "no queue given"), and are due at once. Their
+    OpenTelemetry context is marked ``drain.link``: the drain starts a new trace
+    linked to the staging one, not a trace spanning the days it lay dead
+    (drain.daemon.tracing).
     Expiry is fresh: ``expires_in`` from now when given, else the time to live
     the job had when it was staged (expires_at minus its staging or due time),
     else none. Without ``expires_in``, a job whose expiry was at or before its
@@ -121,20 +124,20 @@ def requeue(
     where, params = filters.where()
     with conn.transaction():
         if conn.execute(queries.query("queue_legacy_present")).fetchone() != (True,):
-            raise SchemaMissing("dead_jobs has no queue_legacy column (an older drain "
-                                "schema): run `drain migrate`")
+            raise SchemaMissing("dead_jobs has no queue_legacy or trace column (an older "
+                                "drain schema): run `drain migrate`")
         if expires_in is None:
             refuse_without_time_to_live(conn, filters)
         query = sql.SQL(
             """
             WITH moved AS (DELETE FROM dead_jobs WHERE {} RETURNING *)
             INSERT INTO staged_jobs (task_id, task_name, args, kwargs, queue, queue_legacy,
-                                     priority, tag, not_before, expires_at, embed)
+                                     priority, tag, not_before, expires_at, embed, trace)
             SELECT task_id, task_name, args, kwargs, queue, queue_legacy, priority, tag, NULL,
                    CASE WHEN {expires_in}::interval IS NOT NULL THEN now() + {expires_in}
                         WHEN expires_at IS NOT NULL
                             THEN now() + (expires_at - coalesce(not_before, staged_at))
-                   END, embed
+                   END, embed, trace || '{"drain.link": "requeued"}'
             FROM moved
             """
         ).format(where, expires_in=sql.Placeholder("expires_in"))

@@ -93,7 +93,8 @@ SELECT EXISTS (
 SELECT id, task_id, task_name, args::text, kwargs::text, coalesce(queue, 'celery') AS queue,
        priority, tag, expires_at, not_before IS NULL AS ready,
        queue IS NULL OR (queue = 'celery' AND queue_legacy) AS unrouted,
-       embed::text AS embed, xact::text::bigint AS xact
+       embed::text AS embed, xact::text::bigint AS xact, trace::text AS trace,
+       staged_at, not_before
 FROM (
     (SELECT s.* FROM unnest(%(priorities)s::int[], %(mark_xacts)s::bigint[],
                             %(mark_ids)s::bigint[]) AS m(p, wx, wi)
@@ -148,11 +149,12 @@ ORDER BY priority DESC, xact, id
 LIMIT %(limit)s;
 
 -- name: queue_legacy_present
--- Whether staged_jobs and dead_jobs have queue_legacy (staging_schema.sql), the
--- newest column this drain reads: a schema without it needs `drain migrate`.
-SELECT count(*) = 2 FROM pg_attribute
+-- Whether staged_jobs and dead_jobs have queue_legacy and trace
+-- (staging_schema.sql), the newest columns this drain reads: a schema without
+-- them needs `drain migrate`.
+SELECT count(*) = 4 FROM pg_attribute
 WHERE attrelid IN (to_regclass('staged_jobs'), to_regclass('dead_jobs'))
-  AND attname = 'queue_legacy' AND NOT attisdropped;
+  AND attname IN ('queue_legacy', 'trace') AND NOT attisdropped;
 
 -- name: fetch_heads
 -- For drain.postgres.keyset, in the batch's own snapshot: that snapshot's xmin, and
@@ -252,9 +254,9 @@ WITH doomed AS (
     RETURNING s.*, d.reason AS dead_reason, d.detail AS dead_detail
 ), dead AS (
     INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, queue_legacy, priority,
-                           tag, not_before, expires_at, staged_at, embed, reason, detail)
+                           tag, not_before, expires_at, staged_at, embed, trace, reason, detail)
     SELECT id, task_id, task_name, args, kwargs, queue, queue_legacy, priority, tag,
-           not_before, expires_at, staged_at, embed, dead_reason, dead_detail
+           not_before, expires_at, staged_at, embed, trace, dead_reason, dead_detail
     FROM gone
     RETURNING id
 )

@@ -32,3 +32,10 @@ class StagedRow:
     #: The transaction that staged or last updated the row (``staged_jobs.xact``):
     #: the drain removes the row only as it read it (drain.postgres.conflicts).
     xact: int = 0
+    #: The staging caller's OpenTelemetry context (``staged_jobs.trace``, the
+    #: propagators' carrier as JSON text); None: none (drain.daemon.tracing).
+    trace_json: str | None = None
+    #: When it was staged (the staging transaction's start) and, if delayed,
+    #: when it became due: how long it waited is measured from the later one.
+    staged_at: dt.datetime | None = None
+    not_before: dt.datetime | None = None

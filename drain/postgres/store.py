@@ -82,7 +82,7 @@ class Store(Session):
         if not self._ask("queue_legacy_present"):
             raise SchemaMissing(
                 f"database {self._display} has an older drain schema (no column "
-                "staged_jobs.queue_legacy): run `drain migrate`"
+                "queue_legacy or trace in staged_jobs and dead_jobs): run `drain migrate`"
             )
         # A hot standby refuses LISTEN; try_lock waits for its promotion.
         self.in_recovery = self._ask("in_recovery")

@@ -111,6 +111,14 @@ class Settings:
     #: With ``celery_app``: publish rows whose task the app does not know (as
     #: ``send_task`` would) instead of moving them to dead_jobs ('unknown_task').
     allow_unknown_tasks: bool = False
+    #: How a job's message relates to the OpenTelemetry context it was staged in
+    #: (drain.daemon.tracing, docs/tracing.md): "child" (the publish span, and so
+    #: the worker's, joins the staging trace), "link" (a new trace linked to
+    #: it) or "none" (the staging context is not used).
+    trace_context: str = "child"
+    #: A job staged longer ago than this many seconds starts a new trace linked
+    #: to its staging context, whatever ``trace_context`` says.
+    trace_new_after: float = 300.0
 
     def __post_init__(self) -> None:
         positive = {
@@ -119,6 +127,7 @@ class Settings:
             "confirm timeout": self.confirm_timeout,
             "max backoff": self.max_backoff,
             "max message size": self.max_message_size,
+            "trace new-after": self.trace_new_after,
         }
         for what, value in positive.items():
             if not (math.isfinite(value) and value > 0):
@@ -148,6 +157,7 @@ class Settings:
         choices = {
             "queue declare mode": (self.queue_declare, ("celery", "passive")),
             "fetch strategy": (self.fetch_strategy, ("keyset", "head")),
+            "trace context": (self.trace_context, ("child", "link", "none")),
         }
         for what, (choice, allowed) in choices.items():
             if choice not in allowed:

@@ -49,6 +49,7 @@ CONTRACT_HISTOGRAMS = {
     "drain_fetch_seconds",
     "drain_publish_seconds",
     "drain_confirm_seconds",
+    "drain_job_wait_seconds",
 }
 CONTRACT_GAUGES = {
     "drain_lock_held",

@@ -1,0 +1,317 @@
+"""OpenTelemetry on the drain's side: each job's context from staging to the broker.
+
+A row staged inside a span carries that span's context in ``staged_jobs.trace``
+(drain.trace_context). The drain sends it on in the message's headers
+(``traceparent``, ``tracestate``, ``baggage``), where Celery's instrumentation
+reads it, so the worker's ``run/<task>`` span joins the trace of the request
+that staged the job. How (``--trace-context``, docs/tracing.md):
+
+* ``child`` (the default): the message continues the staging trace;
+* ``link``: the message starts a new trace with a link to the staging context;
+* ``none``: the staging context is not used.
+
+Whatever the setting, a job staged more than ``--trace-new-after`` seconds ago
+(a long delay, an outage) and a job requeued from dead_jobs (``drain.link`` in
+its carrier) start a new trace linked to the staging context: no trace spans
+hours or days.
+
+With the SDK configured by the standard ``OTEL_*`` variables
+(:func:`configured_tracer`), the drain also records a producer span per message,
+``publish <queue>`` (OpenTelemetry's messaging conventions: destination,
+message id = task id, body size, and how long the job waited in staged_jobs),
+the worker's span becomes its child, and a ``drain batch`` span links the
+messages it published. Without the SDK the drain records nothing and forwards
+the staging headers as they are (``child``) or sends none (``link``/``none``,
+which need a span to link from); a row staged without a context gets none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import logging
+import os
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+from drain.errors import ConfigError
+from drain.postgres.rows import StagedRow
+from drain.trace_context import CARRIER_KEYS
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span, Tracer
+    from prometheus_client import Histogram
+
+log = logging.getLogger("drain.tracing")
+
+#: The carrier key `drain dead requeue` adds: a new trace, linked (its value is the reason).
+LINK_KEY = "drain.link"
+#: W3C limits: a tracestate longer than this may be dropped (vendors must pass on
+#: at least 512 characters); a baggage header holds at most 8,192 bytes.
+MAX_TRACESTATE = 512
+MAX_BAGGAGE = 8192
+#: version-trace id-parent id-flags, lower-case hex; version ff, an all-zero trace id
+#: or parent id are invalid (W3C Trace Context).
+_TRACEPARENT = re.compile(
+    r"(?!ff)[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
+#: The environment variables that turn the drain's own spans on (any of them set).
+SDK_VARIABLES = ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
+                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+
+
+def carrier(trace_json: str | None) -> dict[str, str] | None:
+    """The headers a row's ``trace`` column can give: a well-formed traceparent,
+    and tracestate and baggage within the W3C limits, as strings; anything else
+    (another key, a value of another type, an oversized one) is left out, so
+    that an odd value staged by SQL costs that job its context, nothing more.
+    ``drain.link`` is kept. None: nothing usable."""
+    if trace_json is None:
+        return None
+    try:
+        found = json.loads(trace_json)
+    except ValueError:
+        return None
+    if not isinstance(found, dict):
+        return None
+    kept: dict[str, str] = {}
+    parent = found.get("traceparent")
+    if isinstance(parent, str) and _TRACEPARENT.fullmatch(parent):
+        kept["traceparent"] = parent
+        state = found.get("tracestate")
+        if isinstance(state, str) and state and len(state.encode()) <= MAX_TRACESTATE:
+            kept["tracestate"] = state
+    baggage = found.get("baggage")
+    if isinstance(baggage, str) and baggage and len(baggage.encode()) <= MAX_BAGGAGE:
+        kept["baggage"] = baggage
+    link = found.get(LINK_KEY)
+    if kept and isinstance(link, str):
+        kept[LINK_KEY] = link
+    return kept or None
+
+
+def sampled_trace_id(headers: dict[str, str] | None) -> str | None:
+    """The trace id of a sampled traceparent (an exemplar worth showing), else None."""
+    parent = None if headers is None else headers.get("traceparent")
+    if parent is None or not int(parent[53:55], 16) & 1:
+        return None
+    return parent[3:35]
+
+
+@dataclasses.dataclass(slots=True)
+class Traced:
+    """One message's context: the headers to send and, with the SDK, its span."""
+
+    headers: dict[str, str] | None
+    span: Span | None = None
+    #: Seconds the job waited in staged_jobs before this fetch (from its due time).
+    waited: float = 0.0
+
+
+class Tracing:
+    """What the drain does with the staging contexts (see the module's docstring)."""
+
+    def __init__(self, mode: str = "child", new_after: float = 300.0,
+                 tracer: Tracer | None = None) -> None:
+        self.mode = mode
+        self.new_after = new_after
+        #: The SDK's tracer; None: record nothing, forward headers (``child``).
+        self.tracer = tracer
+        self._batch: Span | None = None
+        #: The current batch's rows whose message belongs to a sampled trace: that
+        #: trace's id (the exemplar of the job's wait, drain.daemon.metrics).
+        self.sampled: dict[int, str] = {}
+
+    def begin_batch(self) -> None:
+        self.sampled = {}
+        if self.tracer is not None:
+            from opentelemetry import context, trace  # noqa: PLC0415 - the SDK's, optional
+
+            self._batch = self.tracer.start_span(
+                "drain batch", context=context.Context(), kind=trace.SpanKind.INTERNAL)
+
+    def end_batch(self, rows: list[StagedRow], waits: Histogram) -> None:
+        """End the batch's span and observe its longest wait in staged_jobs, with
+        that job's sampled trace (or the batch's) as the exemplar."""
+        batch, self._batch = self._batch, None
+        batch_trace = None
+        if batch is not None:
+            batch.set_attribute("messaging.batch.message_count", len(rows))
+            batch.end()
+            context = batch.get_span_context()
+            if context.trace_flags.sampled:
+                batch_trace = format(context.trace_id, "032x")
+        oldest = min(rows, key=_due_key, default=None)
+        became_due = None if oldest is None else due(oldest)
+        if oldest is None or became_due is None:
+            return
+        trace_id = self.sampled.get(oldest.id) or batch_trace
+        waits.observe(max(time.time() - became_due.timestamp(), 0.0),
+                      None if trace_id is None else {"trace_id": trace_id})
+
+    def message(self, row: StagedRow, queue: str, exchange: str, routing_key: str,
+                now: float) -> Traced | None:
+        """Start a message's tracing; None (the fast path): no context, no SDK."""
+        if row.trace_json is None and self.tracer is None:
+            return None
+        staged = carrier(row.trace_json) if self.mode != "none" else None
+        since_staged = 0.0 if row.staged_at is None else now - row.staged_at.timestamp()
+        became_due = due(row)
+        waited = 0.0 if became_due is None else max(now - became_due.timestamp(), 0.0)
+        reason = self._link_reason(staged, since_staged)
+        if self.tracer is None:
+            headers = None if staged is None or reason is not None else _outgoing(staged)
+            self._note(row, headers)
+            return Traced(headers, waited=waited) if headers else None
+        traced = self._start_span(row, staged, reason, (queue, exchange, routing_key), waited)
+        self._note(row, traced.headers)
+        return traced
+
+    def _link_reason(self, staged: dict[str, str] | None, since_staged: float) -> str | None:
+        """Why the message starts a new trace linked to ``staged`` (None: it continues it)."""
+        if staged is None or "traceparent" not in staged:
+            return None
+        if LINK_KEY in staged:
+            return staged[LINK_KEY]
+        if since_staged > self.new_after:
+            return "waited"
+        return "link" if self.mode == "link" else None
+
+    def _start_span(self, row: StagedRow, staged: dict[str, str] | None, reason: str | None,
+                    where: tuple[str, str, str], waited: float) -> Traced:
+        """The message's producer span, a child of the staging context or (``reason``)
+        the root of a new trace linked to it; ``where``: queue, exchange, routing key."""
+        queue, exchange, routing_key = where
+        from opentelemetry import context, propagate, trace  # noqa: PLC0415 - optional
+
+        assert self.tracer is not None
+        parent = (propagate.extract({k: v for k, v in staged.items() if k != LINK_KEY})
+                  if staged is not None else context.Context())
+        links = []
+        if reason is not None:
+            staging_span = trace.get_current_span(parent).get_span_context()
+            links.append(trace.Link(staging_span, {"drain.link.reason": reason}))
+            # A new trace, but the staging context's baggage goes on.
+            parent = trace.set_span_in_context(trace.INVALID_SPAN, parent)
+        span = self.tracer.start_span(
+            f"publish {queue}", context=parent, kind=trace.SpanKind.PRODUCER, links=links,
+            attributes={
+                "messaging.system": "rabbitmq",
+                "messaging.operation.type": "send",
+                "messaging.operation.name": "publish",
+                "messaging.destination.name": exchange or "amq.default",
+                "messaging.rabbitmq.destination.routing_key": routing_key,
+                "messaging.message.id": str(row.task_id),
+                "celery.task_name": row.task_name,
+                "drain.job.id": row.id,
+                "drain.job.waited_seconds": waited,
+            },
+        )
+        headers: dict[str, str] = {}
+        propagate.inject(headers, context=trace.set_span_in_context(span, parent))
+        if self._batch is not None:
+            self._batch.add_link(span.get_span_context())
+        return Traced(headers or None, span, waited)
+
+    def _note(self, row: StagedRow, headers: dict[str, str] | None) -> None:
+        trace_id = sampled_trace_id(headers)
+        if trace_id is not None:
+            self.sampled[row.id] = trace_id
+
+    @staticmethod
+    def sent(traced: Traced, body_size: int) -> None:
+        """The message was built and handed to the broker connection."""
+        if traced.span is not None:
+            traced.span.set_attribute("messaging.message.body.size", body_size)
+            traced.span.end()
+
+    @staticmethod
+    def failed(traced: Traced, error: BaseException) -> None:
+        """The message could not be built (its row goes to dead_jobs)."""
+        if traced.span is not None:
+            from opentelemetry.trace import Status, StatusCode  # noqa: PLC0415 - optional
+
+            traced.span.record_exception(error)
+            traced.span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+            traced.span.end()
+
+
+def _outgoing(staged: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in staged.items() if k in CARRIER_KEYS}
+
+
+def configured_tracer() -> Tracer | None:
+    """The drain's tracer when the standard ``OTEL_*`` variables ask for spans.
+
+    Spans are recorded when one of :data:`SDK_VARIABLES` is set (and
+    ``OTEL_TRACES_EXPORTER`` is not ``none``, ``OTEL_SDK_DISABLED`` not
+    ``true``). A tracer provider already set (``opentelemetry-instrument drain
+    run``) is used as it is; otherwise the drain sets one up as the SDK's
+    auto-configuration would: the resource from ``OTEL_SERVICE_NAME`` and
+    ``OTEL_RESOURCE_ATTRIBUTES`` (service.name ``drain`` by default), the
+    sampler from ``OTEL_TRACES_SAMPLER``, and a batch span processor per
+    exporter named in ``OTEL_TRACES_EXPORTER`` (``otlp`` by default: the OTLP
+    exporter installed, configured by ``OTEL_EXPORTER_OTLP_*``).
+    """
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    if not any(os.environ.get(name, "").strip() for name in SDK_VARIABLES):
+        return None
+    names = [n.strip() for n in os.environ.get("OTEL_TRACES_EXPORTER", "otlp").split(",")
+             if n.strip()] or ["otlp"]
+    if names == ["none"]:
+        return None
+    try:
+        from opentelemetry import trace  # noqa: PLC0415 - the otel extra
+        from opentelemetry.sdk.resources import Resource  # noqa: PLC0415
+        from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
+    except ImportError:
+        raise ConfigError(
+            f"{_set_variable()} is set but the OpenTelemetry SDK is not installed: "
+            "pip install 'drain-outbox[otel]' (or unset it)") from None
+    from drain.version import VERSION  # noqa: PLC0415
+
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        given = os.environ.get("OTEL_SERVICE_NAME", "").strip() or (
+            "service.name=" in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", ""))
+        provider = TracerProvider(resource=Resource.create(
+            {} if given else {"service.name": "drain"}))
+        for name in names:
+            if name != "none":
+                provider.add_span_processor(BatchSpanProcessor(_exporter(name)))
+        trace.set_tracer_provider(provider)
+    return provider.get_tracer("drain", VERSION)
+
+
+def _exporter(name: str) -> Any:
+    """The span exporter registered under ``name`` (OTEL_TRACES_EXPORTER's names)."""
+    from importlib.metadata import entry_points  # noqa: PLC0415
+
+    found = {e.name: e for e in entry_points(group="opentelemetry_traces_exporter")}
+    # "otlp" is the default name; the HTTP exporter registers "otlp_proto_http".
+    entry = found.get(name) or (found.get("otlp_proto_http") if name == "otlp" else None)
+    if entry is None:
+        raise ConfigError(
+            f"OTEL_TRACES_EXPORTER names {name!r}, which no installed package provides "
+            f"(installed: {', '.join(sorted(found)) or 'none'}); "
+            "pip install 'drain-outbox[otel]' brings the OTLP exporter")
+    return entry.load()()
+
+
+def _set_variable() -> str:
+    return next(name for name in SDK_VARIABLES if os.environ.get(name, "").strip())
+
+
+def due(row: StagedRow) -> dt.datetime | None:
+    """When the row became due: its staging time, or its not_before if later."""
+    if row.staged_at is None or row.not_before is None:
+        return row.staged_at
+    return max(row.staged_at, row.not_before)
+
+
+def _due_key(row: StagedRow) -> float:
+    became_due = due(row)
+    return float("inf") if became_due is None else became_due.timestamp()
