@@ -44,10 +44,11 @@ def watch(runner: Drain) -> dict[int, float]:
     build = runner.pipeline.builder.build
 
     def watching_build(row: StagedRow, now: float | None = None,
-                       destination: message.Destination | None = None) -> Any:
+                       destination: message.Destination | None = None,
+                       trace: dict[str, str] | None = None) -> Any:
         if row.priority > 0:
             published_at.setdefault(row.id, time.perf_counter())
-        return build(row, now, destination)
+        return build(row, now, destination, trace)
 
     runner.pipeline.builder.build = watching_build  # type: ignore[method-assign]
     return published_at

@@ -15,9 +15,21 @@ is imported and nothing is captured. With the API but no span and no baggage
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
+from drain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
+
+#: The environment variables that turn drain's own spans on (any of them set).
+SDK_VARIABLES = ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
+                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 #: The column's keys the drain reads; anything else a propagator writes is kept
 #: in the column but not sent (drain.daemon.tracing).
 CARRIER_KEYS = ("traceparent", "tracestate", "baggage")
@@ -36,3 +48,96 @@ def capture() -> str | None:
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=current)
     return json.dumps(carrier, separators=(",", ":")) if carrier else None
+
+
+def configured_tracer() -> Tracer | None:
+    """The drain's tracer when the standard ``OTEL_*`` variables ask for spans.
+
+    Spans are recorded when one of :data:`SDK_VARIABLES` is set (and
+    ``OTEL_TRACES_EXPORTER`` is not ``none``, ``OTEL_SDK_DISABLED`` not
+    ``true``). A tracer provider already set (``opentelemetry-instrument drain
+    run``) is used as it is; otherwise the drain sets one up as the SDK's
+    auto-configuration would: the resource from ``OTEL_SERVICE_NAME`` and
+    ``OTEL_RESOURCE_ATTRIBUTES`` (service.name ``drain`` by default), the
+    sampler from ``OTEL_TRACES_SAMPLER``, and a batch span processor per
+    exporter named in ``OTEL_TRACES_EXPORTER`` (``otlp`` by default: the OTLP
+    exporter installed, configured by ``OTEL_EXPORTER_OTLP_*``).
+    """
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    if not any(os.environ.get(name, "").strip() for name in SDK_VARIABLES):
+        return None
+    names = [n.strip() for n in os.environ.get("OTEL_TRACES_EXPORTER", "otlp").split(",")
+             if n.strip()] or ["otlp"]
+    if names == ["none"]:
+        return None
+    try:
+        from opentelemetry import trace  # noqa: PLC0415 - the otel extra
+        from opentelemetry.sdk.resources import Resource  # noqa: PLC0415
+        from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
+    except ImportError:
+        raise ConfigError(
+            f"{_set_variable()} is set but the OpenTelemetry SDK is not installed: "
+            "pip install 'drain-outbox[otel]' (or unset it)") from None
+    from drain.version import VERSION  # noqa: PLC0415
+
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        given = os.environ.get("OTEL_SERVICE_NAME", "").strip() or (
+            "service.name=" in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", ""))
+        provider = TracerProvider(resource=Resource.create(
+            {} if given else {"service.name": "drain"}))
+        for name in names:
+            if name != "none":
+                provider.add_span_processor(BatchSpanProcessor(_exporter(name)))
+        trace.set_tracer_provider(provider)
+    return provider.get_tracer("drain", VERSION)
+
+
+def _exporter(name: str) -> Any:
+    """The span exporter registered under ``name`` (OTEL_TRACES_EXPORTER's names)."""
+    from importlib.metadata import entry_points  # noqa: PLC0415
+
+    found = {e.name: e for e in entry_points(group="opentelemetry_traces_exporter")}
+    # "otlp" is the default name; the HTTP exporter registers "otlp_proto_http".
+    entry = found.get(name) or (found.get("otlp_proto_http") if name == "otlp" else None)
+    if entry is None:
+        raise ConfigError(
+            f"OTEL_TRACES_EXPORTER names {name!r}, which no installed package provides "
+            f"(installed: {', '.join(sorted(found)) or 'none'}); "
+            "pip install 'drain-outbox[otel]' brings the OTLP exporter")
+    return entry.load()()
+
+
+def _set_variable() -> str:
+    return next(name for name in SDK_VARIABLES if os.environ.get(name, "").strip())
+
+
+@contextlib.contextmanager
+def run_span(kind: str, run_id: str, run_token: str) -> Iterator[str | None]:
+    """A span for one run of a backfill (``kind`` ``backfill``), the root of its
+    own trace: yields its context as a ``trace`` column value (JSON text), the
+    same for every job the run stages, so that they are found together. None,
+    and no span, without the SDK configured (:func:`configured_tracer`)."""
+    tracer = configured_tracer()
+    if tracer is None:
+        yield None
+        return
+    from opentelemetry import context, propagate, trace  # noqa: PLC0415 - the otel extra
+
+    span = tracer.start_span(f"{kind} {run_id}", context=context.Context(),
+                             kind=trace.SpanKind.INTERNAL,
+                             attributes={f"drain.{kind}.id": run_id,
+                                         f"drain.{kind}.run_token": run_token})
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    try:
+        with trace.use_span(span, end_on_exit=True, record_exception=True,
+                            set_status_on_exception=True):
+            yield json.dumps(carrier, separators=(",", ":")) if carrier else None
+    finally:
+        provider = trace.get_tracer_provider()
+        flush = getattr(provider, "force_flush", None)
+        if flush is not None:
+            flush()

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+from drain import trace_context
 from drain.broker import broker_list, reachable
 from drain.broker.publisher import Publisher
 from drain.celery import celery_app, routing
@@ -124,7 +125,7 @@ class Drain:
         self.metrics.broker_blocked.set_function(
             lambda: 0.0 if publisher.blocked is None else 1.0)
         #: The data path while this drain leads (drain.daemon.pipeline).
-        tracer = tracing.configured_tracer()
+        tracer = trace_context.configured_tracer()
         if tracer is not None:
             log.info("tracing: a span per message (OTEL_* settings), trace context %s, "
                      "a new trace after %gs", settings.trace_context, settings.trace_new_after)

@@ -16,7 +16,7 @@ its carrier) start a new trace linked to the staging context: no trace spans
 hours or days.
 
 With the SDK configured by the standard ``OTEL_*`` variables
-(:func:`configured_tracer`), the drain also records a producer span per message,
+(:func:`drain.trace_context.configured_tracer`), the drain also records a producer span per message,
 ``publish <queue>`` (OpenTelemetry's messaging conventions: destination,
 message id = task id, body size, and how long the job waited in staged_jobs),
 the worker's span becomes its child, and a ``drain batch`` span links the
@@ -31,12 +31,10 @@ import dataclasses
 import datetime as dt
 import json
 import logging
-import os
 import re
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from drain.errors import ConfigError
 from drain.postgres.rows import StagedRow
 from drain.trace_context import CARRIER_KEYS
 
@@ -56,9 +54,6 @@ MAX_BAGGAGE = 8192
 #: or parent id are invalid (W3C Trace Context).
 _TRACEPARENT = re.compile(
     r"(?!ff)[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
-#: The environment variables that turn the drain's own spans on (any of them set).
-SDK_VARIABLES = ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
-                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 
 
 def carrier(trace_json: str | None) -> dict[str, str] | None:
@@ -239,70 +234,6 @@ class Tracing:
 
 def _outgoing(staged: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in staged.items() if k in CARRIER_KEYS}
-
-
-def configured_tracer() -> Tracer | None:
-    """The drain's tracer when the standard ``OTEL_*`` variables ask for spans.
-
-    Spans are recorded when one of :data:`SDK_VARIABLES` is set (and
-    ``OTEL_TRACES_EXPORTER`` is not ``none``, ``OTEL_SDK_DISABLED`` not
-    ``true``). A tracer provider already set (``opentelemetry-instrument drain
-    run``) is used as it is; otherwise the drain sets one up as the SDK's
-    auto-configuration would: the resource from ``OTEL_SERVICE_NAME`` and
-    ``OTEL_RESOURCE_ATTRIBUTES`` (service.name ``drain`` by default), the
-    sampler from ``OTEL_TRACES_SAMPLER``, and a batch span processor per
-    exporter named in ``OTEL_TRACES_EXPORTER`` (``otlp`` by default: the OTLP
-    exporter installed, configured by ``OTEL_EXPORTER_OTLP_*``).
-    """
-    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return None
-    if not any(os.environ.get(name, "").strip() for name in SDK_VARIABLES):
-        return None
-    names = [n.strip() for n in os.environ.get("OTEL_TRACES_EXPORTER", "otlp").split(",")
-             if n.strip()] or ["otlp"]
-    if names == ["none"]:
-        return None
-    try:
-        from opentelemetry import trace  # noqa: PLC0415 - the otel extra
-        from opentelemetry.sdk.resources import Resource  # noqa: PLC0415
-        from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
-    except ImportError:
-        raise ConfigError(
-            f"{_set_variable()} is set but the OpenTelemetry SDK is not installed: "
-            "pip install 'drain-outbox[otel]' (or unset it)") from None
-    from drain.version import VERSION  # noqa: PLC0415
-
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        given = os.environ.get("OTEL_SERVICE_NAME", "").strip() or (
-            "service.name=" in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", ""))
-        provider = TracerProvider(resource=Resource.create(
-            {} if given else {"service.name": "drain"}))
-        for name in names:
-            if name != "none":
-                provider.add_span_processor(BatchSpanProcessor(_exporter(name)))
-        trace.set_tracer_provider(provider)
-    return provider.get_tracer("drain", VERSION)
-
-
-def _exporter(name: str) -> Any:
-    """The span exporter registered under ``name`` (OTEL_TRACES_EXPORTER's names)."""
-    from importlib.metadata import entry_points  # noqa: PLC0415
-
-    found = {e.name: e for e in entry_points(group="opentelemetry_traces_exporter")}
-    # "otlp" is the default name; the HTTP exporter registers "otlp_proto_http".
-    entry = found.get(name) or (found.get("otlp_proto_http") if name == "otlp" else None)
-    if entry is None:
-        raise ConfigError(
-            f"OTEL_TRACES_EXPORTER names {name!r}, which no installed package provides "
-            f"(installed: {', '.join(sorted(found)) or 'none'}); "
-            "pip install 'drain-outbox[otel]' brings the OTLP exporter")
-    return entry.load()()
-
-
-def _set_variable() -> str:
-    return next(name for name in SDK_VARIABLES if os.environ.get(name, "").strip())
 
 
 def due(row: StagedRow) -> dt.datetime | None:

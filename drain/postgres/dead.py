@@ -137,7 +137,7 @@ def requeue(
                    CASE WHEN {expires_in}::interval IS NOT NULL THEN now() + {expires_in}
                         WHEN expires_at IS NOT NULL
                             THEN now() + (expires_at - coalesce(not_before, staged_at))
-                   END, embed, trace || '{"drain.link": "requeued"}'
+                   END, embed, trace || '{{"drain.link": "requeued"}}'
             FROM moved
             """
         ).format(where, expires_in=sql.Placeholder("expires_in"))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
+from drain import trace_context
 from drain.errors import ConfigError, DrainError
 from drain.settings.url_parts import first_line
 from drain.spark import ledger, progress, rejects, writer
@@ -194,7 +195,6 @@ def run(spark: SparkSession, df: DataFrame, m: mapping_.Mapping, options: Option
     # A resume: the committed partitions' records go no further than the read.
     df = mapping_.without_partitions(df, m, options.partitions, state.indexes)
     df, rejected = rejects.check(df, m, options.partitions, options.rejects_file)
-    lines = mapping_.copy_lines(mapping_.jobs(df, m, options.run_id, options.partitions), m)
     config = writer.WriterConfig(
         database_url=options.database_url, run_id=options.run_id,
         partitions=options.partitions, run_token=str(uuid.uuid4()), faults=options.faults,
@@ -202,7 +202,11 @@ def run(spark: SparkSession, df: DataFrame, m: mapping_.Mapping, options: Option
         # A partition whose input is cut short must not commit (writer.InputCutShortError).
         expected=writer.expected_rows(df, m.key, options.partitions), partitioning=actual,
     )
-    with progress.tracking(spark.sparkContext, "backfill", enabled=options.progress):
-        summary = writer.write(lines, config, arrow=options.arrow)
+    # One trace per run: every job it stages carries the run's span's context.
+    with trace_context.run_span("backfill", options.run_id, config.run_token) as trace:
+        m = dataclasses.replace(m, trace=trace)
+        lines = mapping_.copy_lines(mapping_.jobs(df, m, options.run_id, options.partitions), m)
+        with progress.tracking(spark.sparkContext, "backfill", enabled=options.progress):
+            summary = writer.write(lines, config, arrow=options.arrow)
     return Result(summary, already_complete=False, seconds=time.monotonic() - started,
                   rejected=rejected, rejects_file=options.rejects_file)

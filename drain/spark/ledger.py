@@ -61,7 +61,7 @@ _RECORDED = (
 )
 _RECORDED_LOCKED = _RECORDED + " FOR SHARE"
 #: Columns added to the tables above since they were created (``drain migrate`` adds them).
-_ADDED_COLUMNS = ((ATTEMPTS, "task_attempt_id"),)
+_ADDED_COLUMNS = ((ATTEMPTS, "task_attempt_id"), ("staged_jobs", "trace"))
 _ENDED = "UPDATE drain_backfill_attempts SET outcome = %s, ended_at = now() WHERE id = %s"
 
 

@@ -40,7 +40,7 @@ DEFAULT_PRIORITY = -10
 #: The columns COPY writes, in the order of a :func:`copy_lines` line.
 COPY_COLUMNS = (
     "task_id", "task_name", "args", "kwargs", "queue", "priority", "tag", "not_before",
-    "expires_at",
+    "expires_at", "trace",
 )
 _JSON_OPTIONS = {"ignoreNullFields": "false"}
 #: A source's column saying why a row is malformed (NULL: it is not), as a CSV source
@@ -85,6 +85,9 @@ class Mapping:
     #: Spread not_before over ``[spread_start, spread_start + spread)``.
     spread: dt.timedelta | None = None
     spread_start: dt.datetime | None = None
+    #: The run's OpenTelemetry context, the same for every job (``staged_jobs.trace``,
+    #: JSON text; drain.trace_context.run_span); None: none.
+    trace: str | None = None
 
     def validate(self) -> None:
         """Refuse what staged_jobs would refuse (StagingError), before Spark runs."""
@@ -192,7 +195,9 @@ def copy_lines(jobs_df: DataFrame, mapping: Mapping) -> DataFrame:
     line = F.concat(
         F.col("task_id"), F.lit(head), quoted(F.col("args")), F.lit(","),
         quoted(F.col("kwargs")), F.lit(tail), F.coalesce(F.col("not_before"), F.lit("")),
-        F.lit(",\n"),  # expires_at: NULL; every line ends with its newline
+        # expires_at: NULL; then the run's trace (unquoted empty: NULL); every line
+        # ends with its newline.
+        F.lit(",," + ("" if mapping.trace is None else _csv(mapping.trace)) + "\n"),
     )
     return jobs_df.select("_key", "_bucket", line.alias("line"))
 

@@ -338,7 +338,7 @@ def test_partition_whose_feeding_executor_died_is_rolled_back(
     config = writer.WriterConfig(db_url, "fed", 1, run_token=str(uuid.uuid4()))
     lines = [
         f"{mapping.task_id_for('fed', str(k))},\"{TASK}\",\"[]\",\"{{}}\",\"celery\",-10,"
-        f"\"backfill.fed\",,\n" for k in range(3)
+        f"\"backfill.fed\",,,\n" for k in range(3)
     ]
     chain = iter([(100, 50), (100, 1)])  # at the start; before the commit: reparented
     monkeypatch.setattr(task, "feeder", lambda: next(chain))

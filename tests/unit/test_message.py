@@ -144,10 +144,15 @@ def test_builder_template_matches_generic_encoding() -> None:
             expires_at=rng.choice([None, dt.datetime.fromtimestamp(now + rng.random() * 1e5,
                                                                    dt.timezone.utc)]),
         )
-        fast = builder.build(row, now=now)
+        trace = rng.choice([None, {}, {"traceparent": f"00-{i:032x}-{i + 1:016x}-01"},
+                            {"traceparent": f"00-{i + 7:032x}-{i + 1:016x}-00",
+                             "tracestate": "vendor=é,x=1", "baggage": "user=42"}])
+        fast = builder.build(row, now=now, trace=trace)
         slow = message.build(row, origin=builder.origin, reply_to=builder.reply_to,
-                             max_priority=builder.max_priority, now=now)
+                             max_priority=builder.max_priority, now=now, trace=trace)
         assert fast.encoded_properties == slow.encoded_properties
+        if trace:
+            assert list(fast.headers)[-len(trace):] == list(trace)
         assert fast.encoded_properties == b"".join(
             pika.BasicProperties(headers=fast.headers, **fast.properties).encode()
         )
