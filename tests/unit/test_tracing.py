@@ -206,6 +206,29 @@ def test_capture_stores_the_current_context_and_nothing_outside_one(
     }
 
 
+def test_a_run_without_the_otel_variables_has_no_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in trace_context.SDK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with trace_context.run_span("backfill", "b1", "token") as carrier:
+        assert carrier is None
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    assert trace_context.configured_tracer() is None
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert trace_context.configured_tracer() is None
+
+
+def test_an_exporter_nobody_provides_is_refused_in_one_line() -> None:
+    code = "import drain.trace_context as t; t.configured_tracer()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False, env={"OTEL_TRACES_EXPORTER": "zipkin", "PATH": ""})
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == (
+        "drain.errors.ConfigError: OTEL_TRACES_EXPORTER names 'zipkin', which no installed "
+        "package provides (installed: console, otlp_proto_http); pip install "
+        "'drain-outbox[otel]' brings the OTLP exporter")
+
+
 def test_staging_without_opentelemetry_imports_none_of_it() -> None:
     code = ("import sys, drain, drain.staging, drain.trace_context as t\n"
             "assert t.capture() is None\n"
