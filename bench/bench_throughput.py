@@ -22,6 +22,11 @@ each into its own fresh durable queue (deleted afterwards):
    Celery declares for it. They are quoted against raw pika through such an
    exchange too (pre-encoded, at the round's best window): a named exchange
    costs RabbitMQ more than the default one, whoever publishes.
+5. OpenTelemetry (``--tracing``, bench/throughput_tracing.py): every row
+   staged with its own request's context, drained without the SDK (``off``:
+   headers forwarded), with the SDK sampling 1 % (parent-based) and 100 %,
+   spans exported over OTLP/HTTP to a sink process; quoted against the plain
+   drain of the same rounds (goals: off >= 0.99 x, 1 % >= 0.95 x).
 
 Every drain round starts from a vacuumed table (the rows are staged, then
 ``VACUUM``), so that none inherits the dead rows of the round before it.
@@ -62,6 +67,7 @@ import cpu
 import harness
 import pika
 import psycopg
+import throughput_tracing
 from harness import (
     BROKER_URL,
     declare_queue,
@@ -277,6 +283,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile-rate", type=int, default=200, metavar="HZ",
                         help="py-spy samples per second (default 200)")
     parser.add_argument("--top", type=int, default=15, help="profile rows shown (default 15)")
+    parser.add_argument("--tracing", type=throughput_tracing.parse_modes,
+                        default=list(throughput_tracing.MODES),
+                        help="OpenTelemetry rounds (bench/throughput_tracing.py), quoted "
+                        "against the plain drain: off, 1%%, 100%% (default all; '' for none)")
     parser.add_argument("--apps", type=parse_apps, default=list(APPS),
                         help="drain --app rounds, routed by bench/bench_app.py's apps: "
                         "static (mapping task_routes), function (a router function); "
@@ -313,7 +323,8 @@ def main() -> int:
     cpu_used: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
     counts: dict[str, int] = {}
     profile: dict[str, Any] | None = None
-    with harness.Setup("throughput") as setup:
+    spans: dict[str, list[int]] = collections.defaultdict(list)
+    with harness.Setup("throughput") as setup, throughput_tracing.sink() as endpoint:
         url = setup.database()
         queues = {k: setup.queue(k, declare=False, routed=k == "app")
                   for k in ("raw", "celery", "drain", "app")}
@@ -343,6 +354,20 @@ def main() -> int:
                 timed(names[size], functools.partial(drain_round, url, n, size),
                       queues["drain"])
 
+        def tracing_rounds() -> None:
+            for mode in args.tracing:
+                throughput_tracing.stage_traced(url, n, queues["drain"],
+                                                100 if mode == "1%" else 1)
+                declare_queue(queues["drain"])
+                before = cpu.sample()
+                seconds, sdk = throughput_tracing.traced_round(
+                    url, n, mode, size=quoted, endpoint=endpoint)
+                name = throughput_tracing.MODES[mode]
+                times.add(name, seconds)
+                cpu_used[name].append(cpu.per_message(before, cpu.sample(), n))
+                spans[mode].append(sdk["spans_exported"])
+                delete_queue(queues["drain"])
+
         def app_rounds() -> None:
             if apps:  # their ceiling: raw pika through the same kind of exchange
                 best = min(windows, key=lambda w: times[encoded[w]][-1])
@@ -361,8 +386,9 @@ def main() -> int:
             for window in windows:
                 timed(encoded[window], functools.partial(raw_pika, messages, pre_encoded=True,
                                                          window=window), queues["raw"])
-            # The drain rounds and the --app rounds take turns going first.
-            for part in harness.turns(round_, [plain_rounds, app_rounds]):
+            # The drain rounds, the tracing rounds and the --app rounds take turns
+            # going first.
+            for part in harness.turns(round_, [plain_rounds, tracing_rounds, app_rounds]):
                 part()
             print(f"round {round_ + 1}: " + ", ".join(
                 f"{name} {n / t[-1]:.0f}" for name, t in times.items()) + " msg/s",
@@ -392,6 +418,7 @@ def main() -> int:
         print_profile(profile)
     summary = summary_rows(n, drain_rate, ceiling, celery)
     summary += app_rows(n, {app: rates[APPS[app]] for app in apps}, rates.get(ROUTED, ceiling))
+    summary += throughput_tracing.rows(n, rates, drain_rate, args.tracing)
     per_round = {name: [round(n / t) for t in ts] for name, ts in times.items() if name != CELERY}
     harness.write_results("throughput", summary, smoke=args.smoke, details={
         "jobs": n,
@@ -406,6 +433,7 @@ def main() -> int:
             "raw_pre_encoded": {w: per_round[encoded[w]] for w in windows},
             "drain": {f"{b}x{p}": per_round[names[b, p]] for b, p in sizes},
             "drain_app": {a: per_round[APPS[a]] for a in apps},
+            "drain_tracing": {m: per_round[throughput_tracing.MODES[m]] for m in args.tracing},
             "raw_through_exchange": per_round.get(ROUTED, []),
         },
         "drain_x_raw": round(drain_rate / ceiling, 3),
@@ -413,6 +441,8 @@ def main() -> int:
         "drain_x_celery": round(drain_rate / celery, 2),
         "cpu_per_message": cpu_medians,
         "profile": profile,
+        # Spans the sink received per tracing round (a message's and the batches').
+        "spans_exported": dict(spans),
     })
     return 0
 

@@ -276,7 +276,7 @@ class Pipeline:
             return None
         self._prove_lock()
         tracing = self.tracing
-        tracing.begin_batch()
+        tracing.begin_batch([row for row, _ in publishable])
         try:
             return self._publisher.start(
                 self._messages([row for row, _ in publishable], doomed, destinations),
@@ -284,7 +284,7 @@ class Pipeline:
                 count=len(publishable),
             )
         finally:
-            tracing.end_batch([row for row, _ in publishable], self.metrics.job_wait_seconds)
+            tracing.end_batch(len(publishable), self.metrics.job_wait_seconds)
 
     def _route(self, rows: list[StagedRow],
                doomed: list[tuple[int, str, str]]) -> dict[int, Destination]:

@@ -28,9 +28,9 @@ which need a span to link from); a row staged without a context gets none.
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import json
 import logging
+import math
 import re
 import time
 from typing import TYPE_CHECKING
@@ -54,6 +54,10 @@ MAX_BAGGAGE = 8192
 #: or parent id are invalid (W3C Trace Context).
 _TRACEPARENT = re.compile(
     r"(?!ff)[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
+#: A column holding a traceparent alone, as jsonb prints it: read without json.loads.
+_ALONE = re.compile(r'\{"traceparent": "(' + _TRACEPARENT.pattern + r')"\}')
+#: The last hex digit of a traceparent whose sampled flag (bit 0) is set.
+_SAMPLED = frozenset("13579bdf")
 
 
 def carrier(trace_json: str | None) -> dict[str, str] | None:
@@ -64,6 +68,9 @@ def carrier(trace_json: str | None) -> dict[str, str] | None:
     ``drain.link`` is kept. None: nothing usable."""
     if trace_json is None:
         return None
+    alone = _ALONE.fullmatch(trace_json)  # what stage() writes, in jsonb's spelling
+    if alone is not None:
+        return {"traceparent": alone[1]}
     try:
         found = json.loads(trace_json)
     except ValueError:
@@ -89,7 +96,7 @@ def carrier(trace_json: str | None) -> dict[str, str] | None:
 def sampled_trace_id(headers: dict[str, str] | None) -> str | None:
     """The trace id of a sampled traceparent (an exemplar worth showing), else None."""
     parent = None if headers is None else headers.get("traceparent")
-    if parent is None or not int(parent[53:55], 16) & 1:
+    if parent is None or parent[-1] not in _SAMPLED:
         return None
     return parent[3:35]
 
@@ -100,72 +107,84 @@ class Traced:
 
     headers: dict[str, str] | None
     span: Span | None = None
-    #: Seconds the job waited in staged_jobs before this fetch (from its due time).
-    waited: float = 0.0
 
 
 class Tracing:
     """What the drain does with the staging contexts (see the module's docstring)."""
 
     def __init__(self, mode: str = "child", new_after: float = 300.0,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, *,
+                 unsampled_parents_dropped: bool | None = None) -> None:
         self.mode = mode
         self.new_after = new_after
         #: The SDK's tracer; None: record nothing, forward headers (``child``).
         self.tracer = tracer
+        #: The sampler never records a span whose remote parent was not sampled (the
+        #: SDK's parent-based samplers): such a job's headers are forwarded as they
+        #: are, with no span made only to be dropped (the cost of sampling 1 %).
+        self.unsampled_parents_dropped = (
+            _drops_unsampled_parents(tracer) if unsampled_parents_dropped is None
+            else unsampled_parents_dropped)
         self._batch: Span | None = None
-        #: The current batch's rows whose message belongs to a sampled trace: that
-        #: trace's id (the exemplar of the job's wait, drain.daemon.metrics).
-        self.sampled: dict[int, str] = {}
+        #: The current batch's longest-waiting row, and the trace its message joined.
+        self._oldest: StagedRow | None = None
+        self._oldest_trace: str | None = None
 
-    def begin_batch(self) -> None:
-        self.sampled = {}
+    def begin_batch(self, rows: list[StagedRow]) -> None:
+        self._oldest = min(rows, key=_due_key, default=None)
+        self._oldest_trace = None
         if self.tracer is not None:
             from opentelemetry import context, trace  # noqa: PLC0415 - the SDK's, optional
 
             self._batch = self.tracer.start_span(
                 "drain batch", context=context.Context(), kind=trace.SpanKind.INTERNAL)
 
-    def end_batch(self, rows: list[StagedRow], waits: Histogram) -> None:
+    def end_batch(self, published: int, waits: Histogram) -> None:
         """End the batch's span and observe its longest wait in staged_jobs, with
         that job's sampled trace (or the batch's) as the exemplar."""
         batch, self._batch = self._batch, None
-        batch_trace = None
+        trace_id = self._oldest_trace
         if batch is not None:
-            batch.set_attribute("messaging.batch.message_count", len(rows))
+            batch.set_attribute("messaging.batch.message_count", published)
             batch.end()
             context = batch.get_span_context()
-            if context.trace_flags.sampled:
-                batch_trace = format(context.trace_id, "032x")
-        oldest = min(rows, key=_due_key, default=None)
-        became_due = None if oldest is None else due(oldest)
-        if oldest is None or became_due is None:
+            if trace_id is None and context.trace_flags.sampled:
+                trace_id = format(context.trace_id, "032x")
+        oldest, self._oldest = self._oldest, None
+        if oldest is None or oldest.due_epoch is None:
             return
-        trace_id = self.sampled.get(oldest.id) or batch_trace
-        waits.observe(max(time.time() - became_due.timestamp(), 0.0),
+        waits.observe(max(time.time() - oldest.due_epoch, 0.0),
                       None if trace_id is None else {"trace_id": trace_id})
 
     def message(self, row: StagedRow, queue: str, exchange: str, routing_key: str,
                 now: float) -> Traced | None:
         """Start a message's tracing; None (the fast path): no context, no SDK."""
-        if row.trace_json is None and self.tracer is None:
-            return None
-        staged = carrier(row.trace_json) if self.mode != "none" else None
-        since_staged = 0.0 if row.staged_at is None else now - row.staged_at.timestamp()
-        became_due = due(row)
-        waited = 0.0 if became_due is None else max(now - became_due.timestamp(), 0.0)
-        reason = self._link_reason(staged, since_staged)
-        if self.tracer is None:
-            headers = None if staged is None or reason is not None else _outgoing(staged)
-            self._note(row, headers)
-            return Traced(headers, waited=waited) if headers else None
-        traced = self._start_span(row, staged, reason, (queue, exchange, routing_key), waited)
-        self._note(row, traced.headers)
+        trace_json = row.trace_json
+        if trace_json is None or self.mode == "none":
+            if self.tracer is None:
+                return None
+            staged = None
+        else:
+            staged = carrier(trace_json)
+        reason = None if staged is None else self._link_reason(
+            staged, 0.0 if row.staged_epoch is None else now - row.staged_epoch)
+        if self.tracer is None or (
+                reason is None and staged is not None and self.unsampled_parents_dropped
+                and staged["traceparent"][-1] not in _SAMPLED):
+            headers = None if staged is None or reason is not None else (
+                staged if len(staged) == 1 else _outgoing(staged))
+            if headers is None:
+                return None
+            traced = Traced(headers)
+        else:
+            traced = self._start_span(row, staged, reason, (queue, exchange, routing_key), now)
+        if row is self._oldest:
+            self._oldest_trace = sampled_trace_id(traced.headers)
         return traced
 
-    def _link_reason(self, staged: dict[str, str] | None, since_staged: float) -> str | None:
+    def _link_reason(self, staged: dict[str, str], since_staged: float) -> str | None:
         """Why the message starts a new trace linked to ``staged`` (None: it continues it)."""
-        if staged is None or "traceparent" not in staged:
+        if "traceparent" not in staged:
             return None
         if LINK_KEY in staged:
             return staged[LINK_KEY]
@@ -174,7 +193,7 @@ class Tracing:
         return "link" if self.mode == "link" else None
 
     def _start_span(self, row: StagedRow, staged: dict[str, str] | None, reason: str | None,
-                    where: tuple[str, str, str], waited: float) -> Traced:
+                    where: tuple[str, str, str], now: float) -> Traced:
         """The message's producer span, a child of the staging context or (``reason``)
         the root of a new trace linked to it; ``where``: queue, exchange, routing key."""
         queue, exchange, routing_key = where
@@ -200,19 +219,15 @@ class Tracing:
                 "messaging.message.id": str(row.task_id),
                 "celery.task_name": row.task_name,
                 "drain.job.id": row.id,
-                "drain.job.waited_seconds": waited,
+                "drain.job.waited_seconds": (0.0 if row.due_epoch is None
+                                             else max(now - row.due_epoch, 0.0)),
             },
         )
         headers: dict[str, str] = {}
         propagate.inject(headers, context=trace.set_span_in_context(span, parent))
         if self._batch is not None:
             self._batch.add_link(span.get_span_context())
-        return Traced(headers or None, span, waited)
-
-    def _note(self, row: StagedRow, headers: dict[str, str] | None) -> None:
-        trace_id = sampled_trace_id(headers)
-        if trace_id is not None:
-            self.sampled[row.id] = trace_id
+        return Traced(headers or None, span)
 
     @staticmethod
     def sent(traced: Traced, body_size: int) -> None:
@@ -236,13 +251,19 @@ def _outgoing(staged: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in staged.items() if k in CARRIER_KEYS}
 
 
-def due(row: StagedRow) -> dt.datetime | None:
-    """When the row became due: its staging time, or its not_before if later."""
-    if row.staged_at is None or row.not_before is None:
-        return row.staged_at
-    return max(row.staged_at, row.not_before)
+def _drops_unsampled_parents(tracer: Tracer | None) -> bool:
+    """Whether the tracer's provider samples as the SDK's parent-based samplers do by
+    default: never a child of a remote parent that was not sampled. Read from the
+    sampler's public description (``ParentBased{...,remoteParentNotSampled:
+    AlwaysOffSampler,...}``); anything else (no SDK, another sampler): no."""
+    if tracer is None:
+        return False
+    sampler = getattr(tracer, "sampler", None)  # the SDK's Tracer keeps its provider's
+    describe = getattr(sampler, "get_description", None)
+    text = describe() if callable(describe) else ""
+    return isinstance(text, str) and text.startswith("ParentBased{") and (
+        "remoteParentNotSampled:AlwaysOffSampler" in text)
 
 
 def _due_key(row: StagedRow) -> float:
-    became_due = due(row)
-    return float("inf") if became_due is None else became_due.timestamp()
+    return math.inf if row.due_epoch is None else row.due_epoch

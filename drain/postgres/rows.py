@@ -35,7 +35,9 @@ class StagedRow:
     #: The staging caller's OpenTelemetry context (``staged_jobs.trace``, the
     #: propagators' carrier as JSON text); None: none (drain.daemon.tracing).
     trace_json: str | None = None
-    #: When it was staged (the staging transaction's start) and, if delayed,
-    #: when it became due: how long it waited is measured from the later one.
-    staged_at: dt.datetime | None = None
-    not_before: dt.datetime | None = None
+    #: When it was staged (the staging transaction's start), as a Unix time; read
+    #: only for a row with a ``trace`` (None otherwise).
+    staged_epoch: float | None = None
+    #: When it became due, as a Unix time: when it was staged, or its
+    #: ``not_before`` if later. How long it waited is measured from here.
+    due_epoch: float | None = None

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from opentelemetry import baggage, context, trace
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import TracerProvider, sampling
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry, Histogram
@@ -41,12 +41,13 @@ def provider() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
 
 
 def _row(trace_json: str | None, *, staged_ago: float = 1.0, row_id: int = 1,
-         delayed_by: float | None = None) -> StagedRow:
-    staged_at = NOW - dt.timedelta(seconds=staged_ago)
+         delayed_by: float = 0.0) -> StagedRow:
+    staged_at = NOW.timestamp() - staged_ago
     return StagedRow(
         id=row_id, task_id=uuid.UUID(int=row_id), task_name="t.x", args_json="[]",
-        kwargs_json="{}", queue="q", trace_json=trace_json, staged_at=staged_at,
-        not_before=None if delayed_by is None else staged_at + dt.timedelta(seconds=delayed_by))
+        kwargs_json="{}", queue="q", trace_json=trace_json,
+        staged_epoch=None if trace_json is None else staged_at,
+        due_epoch=staged_at + delayed_by)
 
 
 def _carrier(**extra: Any) -> str:
@@ -119,11 +120,12 @@ def test_child_continues_the_staging_trace(
 ) -> None:
     made, exporter = provider
     t = tracing.Tracing("child", 300.0, made.get_tracer("t"))
-    t.begin_batch()
-    traced = _message(t, _row(_carrier(baggage="user=42"), delayed_by=0.5))
+    row = _row(_carrier(baggage="user=42"), delayed_by=0.5)
+    t.begin_batch([row])
+    traced = _message(t, row)
     registry = CollectorRegistry()
     waits = Histogram("w", "w", registry=registry)
-    t.end_batch([_row(_carrier(), delayed_by=0.5)], waits)
+    t.end_batch(1, waits)
     spans = _spans(exporter)
     publish, batch = spans["publish q"], spans["drain batch"]
     assert publish.kind == trace.SpanKind.PRODUCER
@@ -173,6 +175,45 @@ def test_a_new_trace_links_to_the_staging_context_where_it_should(
         assert link.attributes == {"drain.link.reason": reason}
     assert traced is not None and traced.headers is not None
     assert traced.headers["traceparent"][3:35] == format(publish.context.trace_id, "032x")
+
+
+@pytest.mark.parametrize(("sampler", "flags", "span_made"), [
+    (sampling.ParentBased(sampling.ALWAYS_ON), "00", False),
+    (sampling.ParentBased(sampling.ALWAYS_ON), "01", True),
+    (sampling.ParentBased(sampling.TraceIdRatioBased(0.01)), "02", False),
+    (sampling.ALWAYS_ON, "00", True),
+])
+def test_a_parent_based_sampler_spares_the_unsampled_their_span(
+    sampler: sampling.Sampler, flags: str, span_made: bool,
+) -> None:
+    """Under a parent-based sampler a job staged by an unsampled request would get a
+    span only to drop it: its headers go on as they are, no span is made."""
+    exporter = InMemorySpanExporter()
+    made = TracerProvider(sampler=sampler)
+    made.add_span_processor(SimpleSpanProcessor(exporter))
+    parent = PARENT[:-2] + flags
+    t = tracing.Tracing("child", 300.0, made.get_tracer("t"))
+    traced = _message(t, _row(json.dumps({"traceparent": parent})))
+    assert traced is not None and traced.headers is not None
+    if span_made:
+        assert traced.span is not None and traced.headers["traceparent"] != parent
+    else:
+        assert traced.span is None and traced.headers == {"traceparent": parent}
+    assert len(exporter.get_finished_spans()) == int(span_made)
+    made.shutdown()
+
+
+def test_the_fast_reading_of_a_lone_traceparent_agrees_with_json() -> None:
+    rng = random.Random(7)
+    alphabet = "0123456789abcdefABx-"
+    for _ in range(2000):
+        parent = "".join(rng.choice(alphabet) for _ in range(rng.choice([54, 55, 55, 56])))
+        if rng.random() < 0.5:
+            parent = (f"00-{rng.getrandbits(128):032x}-{rng.getrandbits(64):016x}-"
+                      f"0{rng.randrange(4)}")
+        text = '{"traceparent": "' + parent + '"}'  # as jsonb prints it
+        slow = tracing.carrier(json.dumps({"traceparent": parent}, separators=(",", ":")))
+        assert tracing.carrier(text) == slow, parent
 
 
 def test_a_job_that_cannot_be_built_ends_its_span_as_an_error(
