@@ -16,11 +16,11 @@ its carrier) start a new trace linked to the staging context: no trace spans
 hours or days.
 
 With the SDK configured by the standard ``OTEL_*`` variables
-(:func:`drain.trace_context.configured_tracer`), the drain also records a producer span per message,
-``publish <queue>`` (OpenTelemetry's messaging conventions: destination,
-message id = task id, body size, and how long the job waited in staged_jobs),
-the worker's span becomes its child, and a ``drain batch`` span links the
-messages it published. Without the SDK the drain records nothing and forwards
+(:func:`drain.trace_context.configured_tracer`), the drain also records a
+producer span per message, ``publish <queue>`` (OpenTelemetry's messaging
+conventions: destination, message id = task id, body size, and how long the
+job waited in staged_jobs), the worker's span becomes its child, and a ``drain
+batch`` span links the messages it published. Without the SDK the drain records nothing and forwards
 the staging headers as they are (``child``) or sends none (``link``/``none``,
 which need a span to link from); a row staged without a context gets none.
 """
@@ -129,6 +129,7 @@ class Tracing:
         #: The current batch's longest-waiting row, and the trace its message joined.
         self._oldest: StagedRow | None = None
         self._oldest_trace: str | None = None
+        self._failed = False
 
     def begin_batch(self, rows: list[StagedRow]) -> None:
         self._oldest = min(rows, key=_due_key, default=None)
@@ -158,7 +159,21 @@ class Tracing:
 
     def message(self, row: StagedRow, queue: str, exchange: str, routing_key: str,
                 now: float) -> Traced | None:
-        """Start a message's tracing; None (the fast path): no context, no SDK."""
+        """Start a message's tracing; None (the fast path): no context, no SDK.
+
+        A fault in tracing costs the job its context, never its message: it is
+        sent without one (and the first such fault is logged)."""
+        try:
+            return self._message(row, queue, exchange, routing_key, now)
+        except Exception:
+            if not self._failed:
+                self._failed = True
+                log.exception("tracing failed for a job (task id %s): it is sent without "
+                              "its trace context (logged once)", row.task_id)
+            return None
+
+    def _message(self, row: StagedRow, queue: str, exchange: str, routing_key: str,
+                 now: float) -> Traced | None:
         trace_json = row.trace_json
         if trace_json is None or self.mode == "none":
             if self.tracer is None:
@@ -170,7 +185,7 @@ class Tracing:
             staged, 0.0 if row.staged_epoch is None else now - row.staged_epoch)
         if self.tracer is None or (
                 reason is None and staged is not None and self.unsampled_parents_dropped
-                and staged["traceparent"][-1] not in _SAMPLED):
+                and staged.get("traceparent", "1")[-1] not in _SAMPLED):
             headers = None if staged is None or reason is not None else (
                 staged if len(staged) == 1 else _outgoing(staged))
             if headers is None:

@@ -203,6 +203,33 @@ def test_a_parent_based_sampler_spares_the_unsampled_their_span(
     made.shutdown()
 
 
+def test_baggage_alone_starts_a_trace_that_keeps_it(
+    provider: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    made, exporter = provider
+    t = tracing.Tracing("child", 300.0, made.get_tracer("t"), unsampled_parents_dropped=True)
+    traced = _message(t, _row(json.dumps({"baggage": "user=42"})))
+    assert traced is not None and traced.headers is not None
+    assert traced.headers["baggage"] == "user=42"
+    assert _spans(exporter)["publish q"].parent is None
+
+
+def test_a_fault_in_tracing_costs_the_job_its_context_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class Broken:
+        sampler = None
+
+        def start_span(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("exporter on fire")
+
+    t = tracing.Tracing("child", 300.0, Broken())  # type: ignore[arg-type]
+    assert t.message(_row(_carrier()), "q", "", "q", NOW.timestamp()) is None
+    assert t.message(_row(_carrier()), "q", "", "q", NOW.timestamp()) is None
+    assert [r.message.split(":")[0] for r in caplog.records] == [
+        "tracing failed for a job (task id 00000000-0000-0000-0000-000000000001)"]
+
+
 def test_the_fast_reading_of_a_lone_traceparent_agrees_with_json() -> None:
     rng = random.Random(7)
     alphabet = "0123456789abcdefABx-"
