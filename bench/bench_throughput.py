@@ -354,8 +354,8 @@ def main() -> int:
                 timed(names[size], functools.partial(drain_round, url, n, size),
                       queues["drain"])
 
-        def tracing_rounds() -> None:
-            for mode in args.tracing:
+        def tracing_rounds(round_: int) -> None:
+            for mode in harness.turns(round_, args.tracing):
                 throughput_tracing.stage_traced(url, n, queues["drain"],
                                                 100 if mode == "1%" else 1)
                 declare_queue(queues["drain"])
@@ -388,7 +388,9 @@ def main() -> int:
                                                          window=window), queues["raw"])
             # The drain rounds, the tracing rounds and the --app rounds take turns
             # going first.
-            for part in harness.turns(round_, [plain_rounds, tracing_rounds, app_rounds]):
+            parts: list[Callable[[], None]] = [
+                plain_rounds, functools.partial(tracing_rounds, round_), app_rounds]
+            for part in harness.turns(round_, parts):
                 part()
             print(f"round {round_ + 1}: " + ", ".join(
                 f"{name} {n / t[-1]:.0f}" for name, t in times.items()) + " msg/s",

@@ -2,8 +2,12 @@
 costs, quoted against the same run's plain drain (no context, no SDK).
 
 * ``off``: every row staged with a context (a ``traceparent`` per row, as staging
-  inside a request span writes it), the drain without the SDK: it forwards the
-  headers. Goal >= 0.99 x plain.
+  inside a request span writes it), the drain with tracing off
+  (``--trace-context none``, no SDK): what the feature costs when it is not
+  used. Goal >= 0.99 x plain.
+* ``headers``: the same rows, the drain without the SDK forwarding each job's
+  headers (``child``): the worker's span joins the staging trace, the drain
+  records nothing. Reported.
 * ``1%``: the same rows, 1 in 100 staged by a sampled request (as an application
   sampling 1 % writes them), the drain with the SDK, a parent-based 1 % sampler
   and the OTLP/HTTP exporter: a producer span per message (recorded for the
@@ -36,7 +40,8 @@ from drain.daemon.tracing import Tracing
 from drain.settings.config import Settings
 
 MODES = {
-    "off": "drain run, every job with a context, no SDK (headers forwarded)",
+    "off": "drain run, every job with a context, tracing off (--trace-context none)",
+    "headers": "drain run, every job with a context, no SDK (headers forwarded)",
     "1%": "drain run, every job with a context, SDK at 1 % (parent-based)",
     "100%": "drain run, every job with a context, SDK at 100 %",
 }
@@ -114,7 +119,9 @@ def traced_round(url: str, n: int, mode: str, *, size: tuple[int, int],
     drain = Drain(Settings(database_url=url, broker_url=BROKER_URL, batch_size=size[0],
                            pipeline=size[1]), exit_when_empty=True)
     provider = None
-    if mode != "off":
+    if mode == "off":
+        drain.pipeline.tracing = Tracing("none", 300.0)
+    elif mode != "headers":
         ratio = 0.01 if mode == "1%" else 1.0
         provider = TracerProvider(resource=Resource.create({"service.name": "drain"}),
                                   sampler=ParentBased(TraceIdRatioBased(ratio)))

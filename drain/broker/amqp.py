@@ -161,6 +161,9 @@ class CeleryPropertiesEncoder:
         )
         self._tag_key = k(TAG_HEADER)
         self._compression_key = k("compression")
+        #: OpenTelemetry's headers: each key with its string type marker.
+        self._trace_keys = {name: k(name) + b"S" for name in
+                            ("traceparent", "tracestate", "baggage")}
         #: (content type, content encoding) -> the four property prefixes (see below).
         self._prefixes: dict[tuple[str, str], tuple[bytes, bytes, bytes, bytes]] = {}
         flags = (
@@ -187,6 +190,16 @@ class CeleryPropertiesEncoder:
                 struct.pack(">H", unprioritised | _EXPIRATION) + rest,
             )
         return found
+
+    def _trace_fields(self, trace: dict[str, str]) -> bytes:
+        keys = self._trace_keys
+        fields = []
+        for name, value in trace.items():
+            raw = value.encode()
+            key = keys.get(name)
+            fields.append((shortstr(name) + b"S" if key is None else key)
+                          + _pack_I(len(raw)) + raw)
+        return b"".join(fields)
 
     def matches(self, origin: str, reply_to: str) -> bool:
         return origin == self.origin and reply_to == self.reply_to
@@ -225,7 +238,7 @@ class CeleryPropertiesEncoder:
                 self._c2c, task_id_field, self._c3, field(argsrepr), self._c4,
                 field(kwargsrepr), self._c5, field(ignore_result), self._c5b,
                 b"" if tag is None else self._tag_key + field(tag),
-                b"" if not trace else b"".join([shortstr(k) + field(v) for k, v in trace.items()]),
+                b"" if not trace else self._trace_fields(trace),
                 b"" if compression is None else self._compression_key + field(compression),
             )
         )
