@@ -93,13 +93,14 @@ SELECT EXISTS (
 SELECT id, task_id, task_name, args::text, kwargs::text, coalesce(queue, 'celery') AS queue,
        priority, tag, expires_at, not_before IS NULL AS ready,
        queue IS NULL OR (queue = 'celery' AND queue_legacy) AS unrouted,
-       embed::text AS embed, xact::text::bigint AS xact, trace::text AS trace,
+       embed::text AS embed, trace::text AS trace,
        -- Unix times, which cost the drain less to read than timestamps: when it
        -- was staged (only for a row with a trace: drain.daemon.tracing's
        -- threshold) and when it became due (staged, or its not_before if later).
        CASE WHEN trace IS NOT NULL THEN extract(epoch FROM staged_at)::float8 END
            AS staged_epoch,
-       extract(epoch FROM greatest(staged_at, not_before))::float8 AS due_epoch
+       extract(epoch FROM greatest(staged_at, not_before))::float8 AS due_epoch,
+       xact::text::bigint AS xact
 FROM (
     (SELECT s.* FROM unnest(%(priorities)s::int[], %(mark_xacts)s::bigint[],
                             %(mark_ids)s::bigint[]) AS m(p, wx, wi)

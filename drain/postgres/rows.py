@@ -29,9 +29,6 @@ class StagedRow:
     unrouted: bool = False
     #: Celery's embed (callbacks, errbacks, chain) as JSON text; None: none.
     embed_json: str | None = None
-    #: The transaction that staged or last updated the row (``staged_jobs.xact``):
-    #: the drain removes the row only as it read it (drain.postgres.conflicts).
-    xact: int = 0
     #: The staging caller's OpenTelemetry context (``staged_jobs.trace``, the
     #: propagators' carrier as JSON text); None: none (drain.daemon.tracing).
     trace_json: str | None = None
@@ -41,3 +38,6 @@ class StagedRow:
     #: When it became due, as a Unix time: when it was staged, or its
     #: ``not_before`` if later. How long it waited is measured from here.
     due_epoch: float | None = None
+    #: The transaction that staged or last updated the row (``staged_jobs.xact``):
+    #: the drain removes the row only as it read it (drain.postgres.conflicts).
+    xact: int = 0

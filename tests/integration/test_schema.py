@@ -123,6 +123,7 @@ def test_catalog_snapshot_is_the_schema(db_url: str) -> None:
         "staged_jobs_queue_length",
         "staged_jobs_tag_length",
         "staged_jobs_embed_is_embed",
+        "staged_jobs_trace_is_object",
     }
     (notify, n_enabled, n_def), (xact, x_enabled, x_def) = snap["triggers"]
     assert (notify, n_enabled) == ("staged_jobs_notify", "O")
@@ -155,7 +156,7 @@ def test_catalog_snapshot_is_the_schema(db_url: str) -> None:
     assert [c[0] for c in snap["columns"]] == [
         "id", "task_id", "task_name", "args", "kwargs", "queue", "queue_legacy", "staged_at",
         "priority",
-        "tag", "not_before", "expires_at", "xact", "embed",
+        "tag", "not_before", "expires_at", "xact", "embed", "trace",
     ]
 
 
@@ -569,7 +570,8 @@ def test_a_drain_on_a_schema_from_before_queue_legacy_says_run_drain_migrate(
 ) -> None:
     support.as_upgraded_by_an_older_drain(db_url, mark=1)
     drainer = store.Store(Settings(database_url=roles.url(db_url, roles.RUNNER)))
-    with pytest.raises(SchemaMissing, match=r"queue_legacy\): run `drain migrate`"):
+    with pytest.raises(SchemaMissing, match=r"queue_legacy or trace in staged_jobs and "
+                                            r"dead_jobs\): run `drain migrate`"):
         drainer.connect()
     drainer.close()
     with psycopg.connect(db_url) as conn, pytest.raises(SchemaMissing, match="drain migrate"):
