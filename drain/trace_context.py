@@ -36,18 +36,24 @@ CARRIER_KEYS = ("traceparent", "tracestate", "baggage")
 
 
 def capture() -> str | None:
-    """The current context as the propagators' carrier, JSON text; None: no context."""
+    """The current context as the propagators' carrier, JSON text; None: no context.
+
+    Tracing never stops a job from being staged: a propagator that fails (a
+    custom one) or writes what JSON cannot hold gives the job no context."""
     context = sys.modules.get("opentelemetry.context")
     if context is None:
         return None  # OpenTelemetry never imported: no context can be current
-    current = context.get_current()
-    if not current:
-        return None
-    from opentelemetry import propagate  # noqa: PLC0415 - optional, and loaded already
+    try:
+        current = context.get_current()
+        if not current:
+            return None
+        from opentelemetry import propagate  # noqa: PLC0415 - optional, loaded already
 
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier, context=current)
-    return json.dumps(carrier, separators=(",", ":")) if carrier else None
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=current)
+        return json.dumps(carrier, separators=(",", ":")) if carrier else None
+    except Exception:  # see the docstring
+        return None
 
 
 def configured_tracer() -> Tracer | None:

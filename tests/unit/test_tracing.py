@@ -297,6 +297,20 @@ def test_an_exporter_nobody_provides_is_refused_in_one_line() -> None:
         "'drain-outbox[otel]' brings the OTLP exporter")
 
 
+def test_a_failing_propagator_leaves_the_job_without_a_context(
+    provider: tuple[TracerProvider, InMemorySpanExporter], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from opentelemetry import propagate
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a custom propagator fails")
+
+    monkeypatch.setattr(propagate, "inject", broken)
+    made, _ = provider
+    with made.get_tracer("t").start_as_current_span("request"):
+        assert trace_context.capture() is None
+
+
 def test_staging_without_opentelemetry_imports_none_of_it() -> None:
     code = ("import sys, drain, drain.staging, drain.trace_context as t\n"
             "assert t.capture() is None\n"
