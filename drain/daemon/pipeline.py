@@ -17,6 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from drain.broker.outgoing import Message
 from drain.broker.publisher import Batch, Publisher, PublishResult
@@ -39,6 +40,9 @@ from drain.postgres.conflicts import Settled
 from drain.postgres.rows import StagedRow
 from drain.postgres.store import Store
 from drain.settings.config import Settings
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 log = logging.getLogger("drain.pipeline")
 
@@ -68,11 +72,12 @@ class Pipeline:
         on_fetch: Callable[[float, int], None] | None = None,
         on_expire: Callable[[float, int], None] | None = None,
         router: AppRouter | None = None,
-        tracing: Tracing | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.settings = settings
-        #: What becomes of each job's OpenTelemetry context (drain.daemon.tracing).
-        self.tracing = tracing or Tracing(settings.trace_context, settings.trace_new_after)
+        #: What becomes of each job's OpenTelemetry context (drain.daemon.tracing); with
+        #: ``tracer`` (the SDK's, drain.trace_context.configured_tracer) a span per message.
+        self.tracing = Tracing(settings.trace_context, settings.trace_new_after, tracer)
         #: The user's Celery app's routing (drain.celery.routing), with ``--app``.
         self.router = router
         self.metrics = metrics
@@ -275,11 +280,12 @@ class Pipeline:
         if not publishable:
             return None
         self._prove_lock()
+        sending = [row for row, _ in publishable]
         tracing = self.tracing
-        tracing.begin_batch([row for row, _ in publishable])
+        tracing.begin_batch(sending)
         try:
             return self._publisher.start(
-                self._messages([row for row, _ in publishable], doomed, destinations),
+                self._messages(sending, doomed, destinations),
                 queues={queue for _, queue in publishable},
                 count=len(publishable),
             )
@@ -336,9 +342,7 @@ class Pipeline:
         tracing = self.tracing
         for row in rows:
             destination = destinations.get(row.id)
-            traced = (tracing.message(row, row.queue, "", row.queue, now) if destination is None
-                      else tracing.message(row, destination.queue, destination.exchange,
-                                           destination.routing_key, now))
+            traced = tracing.message(row, destination, now)
             try:
                 built = self.builder.build(row, now=now, destination=destination,
                                            trace=None if traced is None else traced.headers)

@@ -37,7 +37,7 @@ from drain import trace_context
 from drain.broker import broker_list, reachable
 from drain.broker.publisher import Publisher
 from drain.celery import celery_app, routing
-from drain.daemon import outages, tracing
+from drain.daemon import outages
 from drain.daemon.metrics import Metrics
 from drain.daemon.pipeline import Pipeline
 from drain.daemon.watchdog import Watchdog
@@ -124,16 +124,14 @@ class Drain:
         publisher = self._publisher
         self.metrics.broker_blocked.set_function(
             lambda: 0.0 if publisher.blocked is None else 1.0)
-        #: The data path while this drain leads (drain.daemon.pipeline).
         tracer = trace_context.configured_tracer()
         if tracer is not None:
             log.info("tracing: a span per message (OTEL_* settings), trace context %s, "
                      "a new trace after %gs", settings.trace_context, settings.trace_new_after)
+        #: The data path while this drain leads (drain.daemon.pipeline).
         self.pipeline = Pipeline(settings, self._store, self._publisher, self.metrics,
                                  on_cycle=on_cycle, on_fetch=on_fetch, on_expire=on_expire,
-                                 router=self.router,
-                                 tracing=tracing.Tracing(settings.trace_context,
-                                                         settings.trace_new_after, tracer))
+                                 router=self.router, tracer=tracer)
         self._watchdog = Watchdog(settings, self._store, heartbeat=lambda: self._heartbeat,
                                   state=lambda: self.state.value)
         self._stopping = False

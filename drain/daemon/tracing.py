@@ -35,8 +35,8 @@ import re
 import time
 from typing import TYPE_CHECKING
 
+from drain.celery.message import Destination
 from drain.postgres.rows import StagedRow
-from drain.trace_context import CARRIER_KEYS
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
@@ -65,7 +65,7 @@ def carrier(trace_json: str | None) -> dict[str, str] | None:
     and tracestate and baggage within the W3C limits, as strings; anything else
     (another key, a value of another type, an oversized one) is left out, so
     that an odd value staged by SQL costs that job its context, nothing more.
-    ``drain.link`` is kept. None: nothing usable."""
+    ``drain.link`` is kept with a traceparent. None: nothing usable."""
     if trace_json is None:
         return None
     alone = _ALONE.fullmatch(trace_json)  # what stage() writes, in jsonb's spelling
@@ -88,7 +88,7 @@ def carrier(trace_json: str | None) -> dict[str, str] | None:
     if isinstance(baggage, str) and baggage and len(baggage.encode()) <= MAX_BAGGAGE:
         kept["baggage"] = baggage
     link = found.get(LINK_KEY)
-    if kept and isinstance(link, str):
+    if "traceparent" in kept and isinstance(link, str):  # a link needs a span to link to
         kept[LINK_KEY] = link
     return kept or None
 
@@ -157,14 +157,14 @@ class Tracing:
         waits.observe(max(time.time() - oldest.due_epoch, 0.0),
                       None if trace_id is None else {"trace_id": trace_id})
 
-    def message(self, row: StagedRow, queue: str, exchange: str, routing_key: str,
+    def message(self, row: StagedRow, destination: Destination | None,
                 now: float) -> Traced | None:
         """Start a message's tracing; None (the fast path): no context, no SDK.
 
         A fault in tracing costs the job its context, never its message: it is
         sent without one (and the first such fault is logged)."""
         try:
-            return self._message(row, queue, exchange, routing_key, now)
+            return self._message(row, destination, now)
         except Exception:
             if not self._failed:
                 self._failed = True
@@ -172,7 +172,7 @@ class Tracing:
                               "its trace context (logged once)", row.task_id)
             return None
 
-    def _message(self, row: StagedRow, queue: str, exchange: str, routing_key: str,
+    def _message(self, row: StagedRow, destination: Destination | None,
                  now: float) -> Traced | None:
         trace_json = row.trace_json
         if trace_json is None or self.mode == "none":
@@ -186,13 +186,11 @@ class Tracing:
         if self.tracer is None or (
                 reason is None and staged is not None and self.unsampled_parents_dropped
                 and staged.get("traceparent", "1")[-1] not in _SAMPLED):
-            headers = None if staged is None or reason is not None else (
-                staged if len(staged) == 1 else _outgoing(staged))
-            if headers is None:
+            if staged is None or reason is not None:
                 return None
-            traced = Traced(headers)
+            traced = Traced(staged)  # without a reason to link, no drain.link in it
         else:
-            traced = self._start_span(row, staged, reason, (queue, exchange, routing_key), now)
+            traced = self._start_span(row, staged, reason, destination, now)
         if row is self._oldest:
             self._oldest_trace = sampled_trace_id(traced.headers)
         return traced
@@ -208,15 +206,18 @@ class Tracing:
         return "link" if self.mode == "link" else None
 
     def _start_span(self, row: StagedRow, staged: dict[str, str] | None, reason: str | None,
-                    where: tuple[str, str, str], now: float) -> Traced:
+                    destination: Destination | None, now: float) -> Traced:
         """The message's producer span, a child of the staging context or (``reason``)
-        the root of a new trace linked to it; ``where``: queue, exchange, routing key."""
-        queue, exchange, routing_key = where
+        the root of a new trace linked to it; ``destination``: where the app sends it
+        (None: the row's own queue through the default exchange)."""
+        queue, exchange, routing_key = ((row.queue, "", row.queue) if destination is None else
+                                        (destination.queue, destination.exchange,
+                                         destination.routing_key))
         from opentelemetry import context, propagate, trace  # noqa: PLC0415 - optional
 
         assert self.tracer is not None
-        parent = (propagate.extract({k: v for k, v in staged.items() if k != LINK_KEY})
-                  if staged is not None else context.Context())
+        # The propagators read their own keys only: drain.link is left alone.
+        parent = propagate.extract(staged) if staged is not None else context.Context()
         links = []
         if reason is not None:
             staging_span = trace.get_current_span(parent).get_span_context()
@@ -260,10 +261,6 @@ class Tracing:
             traced.span.record_exception(error)
             traced.span.set_status(Status(StatusCode.ERROR, type(error).__name__))
             traced.span.end()
-
-
-def _outgoing(staged: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in staged.items() if k in CARRIER_KEYS}
 
 
 def _drops_unsampled_parents(tracer: Tracer | None) -> bool:

@@ -55,7 +55,7 @@ def _carrier(**extra: Any) -> str:
 
 
 def _message(t: tracing.Tracing, row: StagedRow) -> tracing.Traced | None:
-    traced = t.message(row, "q", "", "q", NOW.timestamp())
+    traced = t.message(row, None, NOW.timestamp())
     if traced is not None:
         t.sent(traced, 42)
     return traced
@@ -224,8 +224,8 @@ def test_a_fault_in_tracing_costs_the_job_its_context_only(
             raise RuntimeError("exporter on fire")
 
     t = tracing.Tracing("child", 300.0, Broken())  # type: ignore[arg-type]
-    assert t.message(_row(_carrier()), "q", "", "q", NOW.timestamp()) is None
-    assert t.message(_row(_carrier()), "q", "", "q", NOW.timestamp()) is None
+    assert t.message(_row(_carrier()), None, NOW.timestamp()) is None
+    assert t.message(_row(_carrier()), None, NOW.timestamp()) is None
     assert [r.message.split(":")[0] for r in caplog.records] == [
         "tracing failed for a job (task id 00000000-0000-0000-0000-000000000001)"]
 
@@ -248,7 +248,7 @@ def test_a_job_that_cannot_be_built_ends_its_span_as_an_error(
 ) -> None:
     made, exporter = provider
     t = tracing.Tracing("child", 300.0, made.get_tracer("t"))
-    traced = t.message(_row(_carrier()), "q", "", "q", NOW.timestamp())
+    traced = t.message(_row(_carrier()), None, NOW.timestamp())
     assert traced is not None
     t.failed(traced, ValueError("too large"))
     publish = _spans(exporter)["publish q"]
