@@ -115,6 +115,7 @@ def stage(
     ``freeze()``, called before staging. Groups, chords and
     ``task.chunks(...)`` (a group of starmaps) are refused.
     """
+    trace = trace_context.capture()
     if isinstance(task_name, Mapping):
         if (args, kwargs, queue, task_id, priority, tag, countdown, eta, expires) != (
                 (), None, None, None, 0, None, None, None, None):
@@ -123,12 +124,12 @@ def stage(
         spec = from_signature(task_name)
         row = staging_values.row(spec.pop("task_name"), spec.pop("args"), spec.pop("kwargs"),
                                  spec.pop("queue", None), spec.pop("task_id", None),
-                                 trace=trace_context.capture(), **spec)
+                                 trace=trace, **spec)
     else:
         row = staging_values.row(
             task_name, args, kwargs, queue, task_id,
             priority=priority, tag=tag, countdown=countdown, eta=eta, expires=expires,
-            trace=trace_context.capture(),
+            trace=trace,
         )
     _execute_insert(conn, [row])
     return row.task_id

@@ -30,9 +30,6 @@ if TYPE_CHECKING:
 #: The environment variables that turn drain's own spans on (any of them set).
 SDK_VARIABLES = ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
                  "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-#: The column's keys the drain reads; anything else a propagator writes is kept
-#: in the column but not sent (drain.daemon.tracing).
-CARRIER_KEYS = ("traceparent", "tracestate", "baggage")
 
 
 def capture() -> str | None:
@@ -47,13 +44,19 @@ def capture() -> str | None:
         current = context.get_current()
         if not current:
             return None
-        from opentelemetry import propagate  # noqa: PLC0415 - optional, loaded already
-
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier, context=current)
-        return json.dumps(carrier, separators=(",", ":")) if carrier else None
+        return _column_value(current)
     except Exception:  # see the docstring
         return None
+
+
+def _column_value(context: Any) -> str | None:
+    """What the propagators write for ``context``, as a ``trace`` column value
+    (JSON text); None when they write nothing."""
+    from opentelemetry import propagate  # noqa: PLC0415 - optional, loaded already
+
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=context)
+    return json.dumps(carrier, separators=(",", ":")) if carrier else None
 
 
 def configured_tracer() -> Tracer | None:
@@ -130,18 +133,16 @@ def run_span(kind: str, run_id: str, run_token: str) -> Iterator[str | None]:
     if tracer is None:
         yield None
         return
-    from opentelemetry import context, propagate, trace  # noqa: PLC0415 - the otel extra
+    from opentelemetry import context, trace  # noqa: PLC0415 - the otel extra
 
     span = tracer.start_span(f"{kind} {run_id}", context=context.Context(),
                              kind=trace.SpanKind.INTERNAL,
                              attributes={f"drain.{kind}.id": run_id,
                                          f"drain.{kind}.run_token": run_token})
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier, context=trace.set_span_in_context(span))
     try:
         with trace.use_span(span, end_on_exit=True, record_exception=True,
                             set_status_on_exception=True):
-            yield json.dumps(carrier, separators=(",", ":")) if carrier else None
+            yield _column_value(trace.set_span_in_context(span))
     finally:
         provider = trace.get_tracer_provider()
         flush = getattr(provider, "force_flush", None)
