@@ -123,7 +123,7 @@ def requeue(
     """
     where, params = filters.where()
     with conn.transaction():
-        if conn.execute(queries.query("queue_legacy_present")).fetchone() != (True,):
+        if conn.execute(queries.query("newest_columns_present")).fetchone() != (True,):
             raise SchemaMissing("dead_jobs has no queue_legacy or trace column (an older "
                                 "drain schema): run `drain migrate`")
         if expires_in is None:

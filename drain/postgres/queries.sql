@@ -154,7 +154,7 @@ FROM (
 ORDER BY priority DESC, xact, id
 LIMIT %(limit)s;
 
--- name: queue_legacy_present
+-- name: newest_columns_present
 -- Whether staged_jobs and dead_jobs have queue_legacy and trace
 -- (staging_schema.sql), the newest columns this drain reads: a schema without
 -- them needs `drain migrate`.

@@ -79,7 +79,7 @@ class Store(Session):
                 f"database {self._display} has an older drain schema (no wake flag, "
                 "sequence drain_wake): run `drain migrate`"
             )
-        if not self._ask("queue_legacy_present"):
+        if not self._ask("newest_columns_present"):
             raise SchemaMissing(
                 f"database {self._display} has an older drain schema (no column "
                 "queue_legacy or trace in staged_jobs and dead_jobs): run `drain migrate`"

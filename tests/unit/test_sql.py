@@ -29,7 +29,7 @@ def test_query_names() -> None:
         "lanes_in_use", "set_application_name", "backlog_groups", "dead_by_reason",
         "bury", "expiring", "keyed_lock_timeout", "alive", "take_sentinel", "release_sentinel",
         "wake_flag", "raise_flag", "lower_flag", "silent_writers", "announce", "armed_elsewhere",
-        "in_recovery", "take_token", "end_abandoned", "queue_legacy_present",
+        "in_recovery", "take_token", "end_abandoned", "newest_columns_present",
         "testing_staged", "testing_delete", "testing_dead_mark", "testing_dead_since",
     }
 
