@@ -23,6 +23,7 @@ spans are flushed.
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import textwrap
@@ -160,5 +161,5 @@ def parse_modes(text: str) -> list[str]:
     modes = [m for m in text.split(",") if m]
     unknown = set(modes) - set(MODES)
     if unknown:
-        raise ValueError(f"--tracing: choose from {', '.join(MODES)}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(MODES)}, got {text!r}")
     return modes

@@ -10,7 +10,6 @@ role, configured by the standard OTEL_* variables only.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import urllib.request
@@ -48,11 +47,11 @@ def tracer(receiver: Receiver) -> Iterator[Tracer]:
 
 def _env(db_url: str, queue: str, receiver: Receiver, service: str,
          role: str = roles.RUNNER) -> dict[str, str]:
-    env = support.drain_env(db_url, role, DRAIN_TEST_QUEUE=queue,
-                            TRACING_APP_DATABASE_URL=db_url, **receiver.env(service))
-    for name in [n for n in os.environ if n.startswith("OTEL_") and n not in env]:
-        env.pop(name, None)
-    return env
+    """The process's environment: no OTEL_* inherited from ours, only the receiver's."""
+    env = {k: v for k, v in support.drain_env(db_url, role, DRAIN_TEST_QUEUE=queue,
+                                              TRACING_APP_DATABASE_URL=db_url).items()
+           if not k.startswith("OTEL_")}
+    return {**env, **receiver.env(service)}
 
 
 def _start(spawn: Any, db_url: str, queue: str, receiver: Receiver, *drain_args: str) -> Any:
