@@ -354,19 +354,17 @@ def main() -> int:
                 timed(names[size], functools.partial(drain_round, url, n, size),
                       queues["drain"])
 
+        def traced(mode: str) -> float:
+            seconds, sdk = throughput_tracing.traced_round(url, n, mode, size=quoted,
+                                                           endpoint=endpoint)
+            spans[mode].append(sdk["spans_exported"])
+            return seconds
+
         def tracing_rounds(round_: int) -> None:
             for mode in harness.turns(round_, args.tracing):
-                throughput_tracing.stage_traced(url, n, queues["drain"],
-                                                100 if mode == "1%" else 1)
-                declare_queue(queues["drain"])
-                before = cpu.sample()
-                seconds, sdk = throughput_tracing.traced_round(
-                    url, n, mode, size=quoted, endpoint=endpoint)
-                name = throughput_tracing.MODES[mode]
-                times.add(name, seconds)
-                cpu_used[name].append(cpu.per_message(before, cpu.sample(), n))
-                spans[mode].append(sdk["spans_exported"])
-                delete_queue(queues["drain"])
+                throughput_tracing.stage_traced(url, n, queues["drain"], mode)
+                timed(throughput_tracing.MODES[mode], functools.partial(traced, mode),
+                      queues["drain"])
 
         def app_rounds() -> None:
             if apps:  # their ceiling: raw pika through the same kind of exchange

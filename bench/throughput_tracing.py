@@ -93,13 +93,14 @@ def spans_received(endpoint: str) -> int:
         return int(answer.read())
 
 
-def stage_traced(url: str, n: int, queue: str, sampled_every: int) -> None:
-    """``n`` jobs as harness.stage stages them, each with its own request's context:
-    a sampled one every ``sampled_every`` rows (0: none); then VACUUM."""
+def stage_traced(url: str, n: int, queue: str, mode: str) -> None:
+    """``n`` jobs as harness.stage stages them, each with its own request's context,
+    sampled as ``mode`` samples (1 in 100 for 1 %, all otherwise); then VACUUM."""
+    sampled_every = 100 if mode == "1%" else 1
     with psycopg.connect(url) as conn, conn.cursor() as cur, cur.copy(
             "COPY staged_jobs (task_name, args, kwargs, queue, trace) FROM STDIN") as copy:
         for i in range(n):
-            flags = "01" if sampled_every and i % sampled_every == 0 else "00"
+            flags = "01" if i % sampled_every == 0 else "00"
             copy.write_row((
                 "bench.index_annotation", f"[{i}]", f'{{"user": "user{i % 97}"}}', queue,
                 f'{{"traceparent": "00-{i + 1:032x}-{i + 1:016x}-{flags}"}}'))
