@@ -13,30 +13,36 @@
 -- ----------------
 -- Four NOLOGIN group roles are created when the migrating role may create roles
 -- (otherwise a NOTICE says so; the grants are made when the roles exist), each
--- with what its commands need and nothing more:
+-- with what its commands need and nothing more. Their names begin with this
+-- database's role prefix, <database>_drain_ unless chosen (the DO block that
+-- creates them, at the end, says how it is chosen); for a database named app:
 --
---   drain_stager    an application staging jobs: INSERT on staged_jobs, SELECT on
---                   its task_id column only (INSERT ... RETURNING task_id, and
---                   drain_stage(), which returns it), EXECUTE on drain_stage().
---                   It cannot read jobs' arguments, nor change or delete rows.
---   drain_runner    `drain run`, its metrics and `drain status`: SELECT, DELETE on
---                   staged_jobs; SELECT, INSERT on dead_jobs (rows set aside, and
---                   counted); SELECT on drain_schema_state; the wake flag. It
---                   cannot stage, update rows, or touch drain_processed.
---   drain_operator  `drain stage`, `drain dead list|requeue|purge`, `drain
---                   processed purge`: INSERT on staged_jobs; SELECT, DELETE on
---                   dead_jobs and drain_processed.
---   drain_consumer  drain.consumer in the workers: SELECT, INSERT on drain_processed.
+--   app_drain_stager    an application staging jobs: INSERT on staged_jobs, SELECT
+--                       on its task_id column only (INSERT ... RETURNING task_id,
+--                       and drain_stage(), which returns it), EXECUTE on
+--                       drain_stage(). It cannot read jobs' arguments, nor change
+--                       or delete rows.
+--   app_drain_runner    `drain run`, its metrics and `drain status`: SELECT, DELETE
+--                       on staged_jobs; SELECT, INSERT on dead_jobs (rows set aside,
+--                       and counted); SELECT on drain_schema_state; the wake flag.
+--                       It cannot stage, update rows, or touch drain_processed.
+--   app_drain_operator  `drain stage`, `drain dead list|requeue|purge`, `drain
+--                       processed purge`: INSERT on staged_jobs; SELECT, DELETE on
+--                       dead_jobs and drain_processed.
+--   app_drain_consumer  drain.consumer in the workers: SELECT, INSERT on
+--                       drain_processed.
 --
--- Give them to your login roles (docs/running.md, "Database roles", has the recipe):
+-- Roles belong to the whole cluster, grants to one database: the prefix keeps
+-- another database's roles from reaching this one. Give them to your login
+-- roles (docs/running.md, "Database roles", has the recipe):
 --
---   GRANT drain_stager TO my_app;
---   GRANT drain_runner, pg_read_all_stats TO my_drain;
+--   GRANT app_drain_stager TO my_app;
+--   GRANT app_drain_runner, pg_read_all_stats TO my_drain;
 --
 -- pg_read_all_stats lets the drain and `drain status` see other roles'
 -- sessions in pg_stat_activity (the oldest transaction, the lock holder).
--- Grants are only ever added: a migrate never revokes what you granted, and
--- every change it makes commits at once, so running drains never see a role
+-- Grants are only ever added (but for a move to another prefix), and every
+-- change a migrate makes commits at once, so running drains never see a role
 -- without its rights.
 
 CREATE TABLE IF NOT EXISTS staged_jobs (
@@ -479,43 +485,173 @@ ALTER TABLE drain_backfill_attempts ADD COLUMN IF NOT EXISTS task_attempt_id big
 CREATE INDEX IF NOT EXISTS drain_backfill_attempts_run
     ON drain_backfill_attempts (run_token);
 
+-- The settings of this database's drain, written by `drain migrate`: today
+-- role_prefix, the prefix of this database's four group roles. Readable by
+-- every role (nothing secret: drain names the roles in its errors).
+CREATE TABLE IF NOT EXISTS drain_settings (
+    key   text PRIMARY KEY,
+    value text NOT NULL
+);
+GRANT SELECT ON drain_settings TO PUBLIC;
+
+-- The group roles (see "Roles and grants" at the top). Roles belong to the
+-- whole cluster while grants belong to one database, so each database gets
+-- roles of its own: <prefix>stager, <prefix>runner, <prefix>operator and
+-- <prefix>consumer. The prefix, in this order:
+--
+--   1. the setting drain.role_prefix (`drain migrate --role-prefix P` sets it;
+--      with psql: PGOPTIONS='-c drain.role_prefix=P' psql -f staging_schema.sql);
+--   2. the one recorded in drain_settings by an earlier migrate (a copy of the
+--      database, CREATE DATABASE ... TEMPLATE or a restored dump, keeps it);
+--   3. 'drain_' for a database an older drain migrated (its staged_jobs is
+--      granted to drain_stager, drain_runner or drain_operator): the roles its
+--      logins already hold keep working;
+--   4. otherwise the database's name: <name>_drain_, lowercased, other
+--      characters than a-z, 0-9 and _ made _, and a name longer than 48
+--      characters cut to 41 and given 6 hex digits of its md5.
+--
+-- A database adopts a prefix once (and again when --role-prefix changes it).
+-- Adopting roles that already hold privileges in another database of the
+-- cluster is refused (SQLSTATE DR001): a login granted them for one database
+-- would act in the other. Moving to another prefix grants the new roles and
+-- then revokes from the old ones what this schema granted them here.
+-- Two migrates on two databases at once never fail on each other's roles: a
+-- role created meanwhile by the other is taken as existing.
 DO $$
 DECLARE
-    role text;
+    kinds    constant text[] := ARRAY['stager', 'runner', 'operator', 'consumer'];
+    given    text := nullif(current_setting('drain.role_prefix', true), '');
+    recorded text;
+    legacy   boolean;
+    prefix   text;
+    base     text;
+    derived  text;
+    old      text;
+    kind     text;
+    role     text;
+    shared   text;
 BEGIN
-    FOREACH role IN ARRAY ARRAY['drain_stager', 'drain_runner', 'drain_operator',
-                                'drain_consumer'] LOOP
+    SELECT value INTO recorded FROM drain_settings WHERE key = 'role_prefix';
+    -- Granted by an older drain's migrate, which named the roles drain_*.
+    SELECT EXISTS (
+        SELECT FROM pg_class c, aclexplode(c.relacl) a, pg_roles r
+        WHERE c.oid IN ('staged_jobs'::regclass, 'drain_processed'::regclass)
+          AND r.oid = a.grantee
+          AND r.rolname IN ('drain_stager', 'drain_runner', 'drain_operator', 'drain_consumer'))
+    INTO legacy;
+    base := lower(regexp_replace(current_database(), '[^A-Za-z0-9_]', '_', 'g'));
+    IF base !~ '^[a-z_]' THEN
+        base := 'db_' || base;
+    END IF;
+    IF length(base) > 48 THEN
+        base := left(base, 41) || '_' || left(md5(current_database()), 6);
+    END IF;
+    derived := base || '_drain_';
+    IF given IS NOT NULL THEN
+        prefix := given;
+    ELSIF recorded IS NOT NULL THEN
+        prefix := recorded;
+    ELSIF legacy THEN
+        prefix := 'drain_';
+    ELSE
+        prefix := derived;
+    END IF;
+    IF prefix !~ '^[a-z_][a-z0-9_]*$' OR length(prefix) > 55 THEN
+        RAISE EXCEPTION 'drain: role prefix "%" is not a lowercase name of at most 55 letters, digits and _', prefix
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- The prefix this database's grants have now, if it is another.
+    old := coalesce(recorded, CASE WHEN legacy THEN 'drain_' END);
+    IF old = prefix THEN
+        old := NULL;
+    END IF;
+
+    FOREACH kind IN ARRAY kinds LOOP
+        role := prefix || kind;
         IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = role) THEN
             BEGIN
                 EXECUTE format('CREATE ROLE %I NOLOGIN', role);
-            EXCEPTION WHEN insufficient_privilege THEN
-                RAISE NOTICE 'drain: cannot create role % (no CREATEROLE); its grants are skipped',
-                    role;
+                EXECUTE format('COMMENT ON ROLE %I IS %L', role,
+                               format('drain: the %s role of database %s', kind, current_database()));
+            EXCEPTION
+                WHEN insufficient_privilege THEN
+                    RAISE NOTICE 'drain: cannot create role % (no CREATEROLE); its grants are skipped',
+                        role;
+                -- Created meanwhile by a migrate of another database (roles are
+                -- the cluster's): it exists now, and is checked below as any other.
+                WHEN unique_violation OR duplicate_object THEN
+                    NULL;
             END;
         END IF;
     END LOOP;
-    IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'drain_stager') THEN
-        GRANT INSERT, SELECT (task_id) ON staged_jobs TO drain_stager;
-        GRANT EXECUTE ON FUNCTION drain_stage(text, jsonb, jsonb, text, integer, text,
-                                              timestamptz, timestamptz, uuid) TO drain_stager;
+
+    IF recorded IS DISTINCT FROM prefix THEN
+        -- Adopting the prefix: its roles must hold nothing in another database.
+        SELECT string_agg(DISTINCT d.datname, ', ')
+        INTO shared
+        FROM pg_shdepend s
+        JOIN pg_roles r ON r.oid = s.refobjid
+        JOIN pg_database d ON d.oid = s.dbid
+        WHERE s.refclassid = 'pg_authid'::regclass
+          AND r.rolname = ANY (SELECT prefix || k FROM unnest(kinds) k)
+          AND d.datname <> current_database();
+        IF shared IS NOT NULL THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'DR001',
+                MESSAGE = format('drain migrate: the roles %s* already hold privileges in '
+                                 'database %s, so a login granted them for database %s would act '
+                                 'there too', prefix, shared, current_database()),
+                HINT = format('give this database roles of its own: drain migrate --role-prefix %s',
+                              CASE WHEN derived <> prefix THEN derived
+                                   ELSE left(base, 41) || '_' || left(md5(current_database()), 6)
+                                        || '_drain_' END);
+        END IF;
+        INSERT INTO drain_settings (key, value) VALUES ('role_prefix', prefix)
+        ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value;
     END IF;
-    IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'drain_runner') THEN
-        GRANT SELECT, DELETE ON staged_jobs TO drain_runner;
+
+    role := prefix || 'stager';
+    IF EXISTS (SELECT FROM pg_roles WHERE rolname = role) THEN
+        EXECUTE format('GRANT INSERT, SELECT (task_id) ON staged_jobs TO %I', role);
+        EXECUTE format('GRANT EXECUTE ON FUNCTION drain_stage(text, jsonb, jsonb, text, integer, '
+                       'text, timestamptz, timestamptz, uuid) TO %I', role);
+    END IF;
+    role := prefix || 'runner';
+    IF EXISTS (SELECT FROM pg_roles WHERE rolname = role) THEN
+        EXECUTE format('GRANT SELECT, DELETE ON staged_jobs TO %I', role);
         -- The drain moves rows that can never be published into dead_jobs; its
         -- metrics and `drain status` count them.
-        GRANT SELECT, INSERT ON dead_jobs TO drain_runner;
+        EXECUTE format('GRANT SELECT, INSERT ON dead_jobs TO %I', role);
         -- Drains of earlier versions read it (an upgrade runs both for a while).
-        GRANT SELECT ON drain_schema_state TO drain_runner;
+        EXECUTE format('GRANT SELECT ON drain_schema_state TO %I', role);
         -- It raises and lowers the wake flag (drain/postgres/wakeup.py).
-        GRANT UPDATE ON SEQUENCE drain_wake TO drain_runner;
+        EXECUTE format('GRANT UPDATE ON SEQUENCE drain_wake TO %I', role);
     END IF;
-    IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'drain_operator') THEN
+    role := prefix || 'operator';
+    IF EXISTS (SELECT FROM pg_roles WHERE rolname = role) THEN
         -- `drain stage`, and `drain dead requeue`, which moves rows back.
-        GRANT INSERT ON staged_jobs TO drain_operator;
-        GRANT SELECT, DELETE ON dead_jobs, drain_processed TO drain_operator;
+        EXECUTE format('GRANT INSERT ON staged_jobs TO %I', role);
+        EXECUTE format('GRANT SELECT, DELETE ON dead_jobs, drain_processed TO %I', role);
     END IF;
-    IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'drain_consumer') THEN
-        GRANT SELECT, INSERT ON drain_processed TO drain_consumer;
+    role := prefix || 'consumer';
+    IF EXISTS (SELECT FROM pg_roles WHERE rolname = role) THEN
+        EXECUTE format('GRANT SELECT, INSERT ON drain_processed TO %I', role);
+    END IF;
+
+    -- Moved to another prefix: the old roles lose here what this schema gave them
+    -- (only that: a grant of your own to them stays).
+    IF old IS NOT NULL THEN
+        FOREACH kind IN ARRAY kinds LOOP
+            role := old || kind;
+            CONTINUE WHEN NOT EXISTS (SELECT FROM pg_roles WHERE rolname = role);
+            EXECUTE format('REVOKE INSERT, SELECT, DELETE ON staged_jobs, dead_jobs, '
+                           'drain_processed FROM %I', role);
+            EXECUTE format('REVOKE SELECT (task_id) ON staged_jobs FROM %I', role);
+            EXECUTE format('REVOKE SELECT ON drain_schema_state FROM %I', role);
+            EXECUTE format('REVOKE UPDATE ON SEQUENCE drain_wake FROM %I', role);
+            EXECUTE format('REVOKE EXECUTE ON FUNCTION drain_stage(text, jsonb, jsonb, text, '
+                           'integer, text, timestamptz, timestamptz, uuid) FROM %I', role);
+        END LOOP;
     END IF;
 END
 $$;

@@ -16,6 +16,12 @@ class ConfigError(DrainError):
     """A setting is malformed (bad URL, negative batch size...)."""
 
 
+class RolesShared(ConfigError):
+    """``drain migrate`` was to grant this database's privileges to group roles that
+    already hold privileges in another database of the cluster (a login granted
+    them for one would act in the other): choose another ``--role-prefix``."""
+
+
 class StagingError(DrainError):
     """A job cannot be staged: bad task name, arguments that are not JSON..."""
 

@@ -1,19 +1,21 @@
 """Least-privileged login roles for the tests: docs/running.md, "Database roles".
 
-``drain migrate`` creates four group roles and grants them, in each database,
-what their commands need (staging_schema.sql). Postgres roles belong to the
-whole cluster, so the login roles here are created once (:func:`ensure`, which
-the ``template_db`` fixture calls) and serve every per-test database, each
-holding one group role as docs/running.md shows:
+``drain migrate`` creates four group roles of the database's own, named with
+its role prefix (``<database>_drain_stager``...), and grants them, in that
+database, what their commands need (staging_schema.sql). Postgres roles belong
+to the whole cluster, so the login roles here are created once and serve every
+test database: :func:`ensure` grants each the group role of its kind of a
+migrated database (the ``template_db`` fixture calls it for the template, whose
+copies, the per-test databases, keep its roles), as docs/running.md shows:
 
 =====================  ==========================================  =======================
-login role             granted                                      runs
+login role             granted, in a database whose prefix is P    runs
 =====================  ==========================================  =======================
-drain_test_stager      drain_stager                                 an application staging
-drain_test_runner      drain_runner, pg_read_all_stats              ``drain run``, ``status``
-drain_test_operator    drain_operator                               ``drain stage``, ``dead``,
+drain_test_stager      P + stager                                   an application staging
+drain_test_runner      P + runner, pg_read_all_stats                ``drain run``, ``status``
+drain_test_operator    P + operator                                 ``drain stage``, ``dead``,
                                                                     ``processed purge``
-drain_test_consumer    drain_consumer                               drain.consumer
+drain_test_consumer    P + consumer                                 drain.consumer
 =====================  ==========================================  =======================
 
 How to use them (``db_url`` is a test database's URL, the superuser's):
@@ -51,12 +53,13 @@ RUNNER = "drain_test_runner"
 OPERATOR = "drain_test_operator"
 CONSUMER = "drain_test_consumer"
 
-#: Each login role and what it is granted (the recipe in docs/running.md).
+#: Each login role: the kind of group role it is granted, and what else (the recipe in
+#: docs/running.md).
 GRANTS = {
-    STAGER: "drain_stager",
-    RUNNER: "drain_runner, pg_read_all_stats",
-    OPERATOR: "drain_operator",
-    CONSUMER: "drain_consumer",
+    STAGER: ("stager", ""),
+    RUNNER: ("runner", "pg_read_all_stats"),
+    OPERATOR: ("operator", ""),
+    CONSUMER: ("consumer", ""),
 }
 
 #: Which role runs each ``drain`` command (docs/running.md, "Database roles").
@@ -83,18 +86,30 @@ def _admin_user() -> str:
     return str(conninfo.conninfo_to_dict(ADMIN_URL).get("user") or "postgres")
 
 
-def ensure(admin_url: str) -> None:
-    """Create the login roles and grant them their group roles, unless done already
-    (concurrent test runs may race here: an advisory lock orders them). The group
-    roles must exist: ``drain migrate`` by a superuser creates them."""
+def prefix_of(db_url: str) -> str:
+    """The role prefix of a migrated database (``drain migrate`` recorded it)."""
+    with psycopg.connect(db_url) as conn:
+        row = conn.execute("SELECT value FROM drain_settings WHERE key = 'role_prefix'"
+                           ).fetchone()
+    assert row is not None, f"{db_url}: not migrated (no role prefix recorded)"
+    return str(row[0])
+
+
+def ensure(db_url: str) -> None:
+    """Create the login roles unless done already, and grant each its group role of
+    the migrated database ``db_url``. Concurrent calls (xdist workers) may race on
+    the roles: an advisory lock in the cluster's ``postgres`` database orders them."""
+    prefix = prefix_of(db_url)
+    admin_url = conninfo.make_conninfo(url(db_url, ADMIN), dbname="postgres")
     with psycopg.connect(admin_url, autocommit=True) as admin:
         admin.execute("SELECT pg_advisory_lock(hashtext('drain test roles'))")
         try:
-            for role, granted in GRANTS.items():
+            for role, (kind, extra) in GRANTS.items():
                 exists = admin.execute(
                     "SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone()
                 if not exists:
                     admin.execute(f'CREATE ROLE "{role}" LOGIN')
+                granted = ", ".join(filter(None, (f'"{prefix}{kind}"', extra)))
                 admin.execute(f'GRANT {granted} TO "{role}"')
         finally:
             admin.execute("SELECT pg_advisory_unlock(hashtext('drain test roles'))")

@@ -272,12 +272,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "migrate",
         help="apply staging_schema.sql to the database (idempotent)",
-        description="Create or update staged_jobs, its NOTIFY trigger and the drain_stager, "
-        "drain_runner, drain_operator and drain_consumer roles (it only ever adds grants). "
-        "Run it as the role that owns the tables. Safe to run any number of times, also "
-        "while drains run.",
+        description="Create or update staged_jobs, its NOTIFY trigger and this database's "
+        "four group roles, PREFIX + stager, runner, operator and consumer (it only ever adds "
+        "grants, but for a move to another prefix). Run it as the role that owns the tables. "
+        "Safe to run any number of times, also while drains run. It prints the roles' names.",
+        epilog="Roles belong to the whole Postgres cluster, grants to one database: each "
+        "database gets roles of its own, <database>_drain_* by default, drain_* for a "
+        "database an older drain migrated. Roles that already hold privileges in another "
+        "database are refused (exit 2). docs/running.md, \"Database roles\".",
     )
     add_database(p)
+    p.add_argument(
+        "--role-prefix", default=env("DRAIN_ROLE_PREFIX") or None, metavar="PREFIX",
+        help="name this database's group roles PREFIX + stager/runner/operator/consumer "
+        "(env DRAIN_ROLE_PREFIX; default: the prefix this database has, else "
+        "<database name>_drain_). A new prefix moves the grants: the old roles lose them here")
     p.add_argument("--print", action="store_true", help="print the schema SQL, apply nothing")
     p.set_defaults(func=cmd_migrate)
 
@@ -317,10 +326,13 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     if args.print:
         sys.stdout.write(sql.schema_text())
         return Exit.OK
+    if args.role_prefix is not None:
+        store.check_role_prefix(args.role_prefix)  # before connecting
     settings = settings_of(args)
     with session.connect_plain(settings) as conn:
-        store.migrate(conn)
-        log.info("schema applied to %s", session.connected_to(conn))
+        prefix = store.migrate(conn, role_prefix=args.role_prefix)
+        log.info("schema applied to %s; its roles: %s", session.connected_to(conn),
+                 ", ".join(store.role_names(prefix)))
     return Exit.OK
 
 

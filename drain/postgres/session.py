@@ -310,9 +310,11 @@ class Session:
 
 
 #: What the drain's role needs, said when the database refuses it something.
-RUNNER_GRANT = "`drain run` and `drain status` need drain_runner"
+RUNNER_GRANT = ("`drain run` and `drain status` need this database's runner role, "
+                "<prefix>runner as `drain migrate` names it")
 #: ... and the operators' commands.
-OPERATOR_GRANT = "`drain stage`, `drain dead` and `drain processed` need drain_operator"
+OPERATOR_GRANT = ("`drain stage`, `drain dead` and `drain processed` need this database's "
+                  "operator role, <prefix>operator as `drain migrate` names it")
 
 
 def refusal(exc: psycopg.Error, display: str, needs: str) -> DrainError | None:

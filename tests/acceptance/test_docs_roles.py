@@ -66,7 +66,7 @@ class Setup:
 
     def url(self, doc_name: str) -> str:
         user = self.owner if doc_name == "owner" else self.role(doc_name)
-        return f"postgresql://{user}:{self.password}@127.0.0.1:5432/{self.db}"
+        return f"postgresql://{user}:{self.password}@127.0.0.1:{support.PG_PORT}/{self.db}"
 
     def env(self, doc_name: str, **extra: str) -> dict[str, str]:
         env = support.drain_env(self.url(doc_name), roles.ADMIN, **extra)
@@ -110,8 +110,13 @@ def test_the_docs_roles_recipe(
     s = setup
     cli = support.run_cli
     # `drain migrate` as the owner, then the roles block of docs/running.md as the owner.
-    _ok(cli(s.url("owner"), "migrate", env=s.env("owner")))
-    roles_sql = docs_sql(RUNNING, "## Database roles")
+    migrated = cli(s.url("owner"), "migrate", env=s.env("owner"))
+    assert migrated.returncode == 0, migrated.stderr
+    # The docs name the roles of a database named app; this one's are named after it.
+    prefix = f"{s.db}_drain_"
+    assert f"its roles: {prefix}stager, {prefix}runner, {prefix}operator, {prefix}consumer" in (
+        migrated.stderr)
+    roles_sql = docs_sql(RUNNING, "## Database roles").replace("app_drain_", prefix)
     for name in DOC_ROLES:
         roles_sql = re.sub(rf"\b{name}\b", s.role(name), roles_sql)
     with psycopg.connect(s.url("owner"), autocommit=True) as owner:
@@ -156,7 +161,8 @@ def test_the_docs_roles_recipe(
     support.wait_for(lambda: 'drain_dead_jobs_rows{reason="unknown_task"} 1.0' in support.http_get(
         ports[1], "/metrics")[1], 30, "the dead job in /metrics")
     shown = _ok(cli(s.url("my_drain"), "status", env=s.env("my_drain")))
-    assert f"database: postgresql://{s.role('my_drain')}@127.0.0.1:5432/{s.db}" in shown
+    assert (f"database: postgresql://{s.role('my_drain')}@127.0.0.1:{support.PG_PORT}/{s.db}"
+            in shown)
     assert "unknown_task 1" in shown
 
     # my_ops: the dead-letter commands; my_worker: the consumers' record.

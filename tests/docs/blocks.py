@@ -23,10 +23,11 @@ The rules a page's author follows:
 
   A block that is neither runnable nor marked fails the test.
 * A ``sql`` block says which role runs it, on the line before it (or before its
-  skip marker): ``<!-- sql-as: drain_stager -->``, one of the group roles
-  ``drain migrate`` creates (drain_stager, drain_runner, drain_operator,
-  drain_consumer; the test connects as a login role holding it) or ``owner``
-  (the role that owns the tables). It runs in one transaction, committed.
+  skip marker): ``<!-- sql-as: app_drain_stager -->``, one of the group roles
+  ``drain migrate`` creates, as the docs name them for a database named app
+  (app_drain_stager, app_drain_runner, app_drain_operator, app_drain_consumer;
+  the test connects as a login role holding the test database's role of that
+  kind) or ``owner`` (the role that owns the tables). It runs in one transaction, committed.
 * A ``python`` block runs in the page's namespace, which starts with what a
   reader's application has (:func:`reader_namespace`): ``dsn``, ``conn``,
   ``engine``, ``app`` and its tasks, ``order_id``, ``user_id``...
@@ -68,10 +69,10 @@ RUNNABLE = ("python", "sh", "sql")
 #: ``<!-- sql-as: ROLE -->``: the login role (tests/roles.py) that holds each group role.
 SQL_ROLES = {
     "owner": roles.ADMIN,
-    "drain_stager": roles.STAGER,
-    "drain_runner": roles.RUNNER,
-    "drain_operator": roles.OPERATOR,
-    "drain_consumer": roles.CONSUMER,
+    "app_drain_stager": roles.STAGER,
+    "app_drain_runner": roles.RUNNER,
+    "app_drain_operator": roles.OPERATOR,
+    "app_drain_consumer": roles.CONSUMER,
 }
 
 #: The docs' placeholder URLs, and whose URL of the test's database each stands for.

@@ -48,9 +48,9 @@ def _page(tmp_path: Path, text: str) -> Path:
     ("```\nsome output\n```\n", "a (no language) block that does not run"),
     ("```yaml\na: 1\n```\n", "a yaml block that does not run"),
     ("```sql\nSELECT 1;\n```\n", "a sql block without the role that runs it"),
-    ("<!-- sql-as: drain_stager -->\n```sql\nDELETE FROM staged_jobs;\n```\n",
+    ("<!-- sql-as: app_drain_stager -->\n```sql\nDELETE FROM staged_jobs;\n```\n",
      "InsufficientPrivilege"),
-    ("<!-- sql-as: drain_stager -->\n", "sql-as: drain_stager is followed by no sql block"),
+    ("<!-- sql-as: app_drain_stager -->\n", "sql-as: app_drain_stager is followed by no sql block"),
     ("<!-- sql-as: my_app -->\n```sql\nSELECT 1;\n```\n", "sql-as: 'my_app' is none of"),
     ("```sh\ndrain dead list --no-such-flag\n```\n", "exit 2"),
     ("```python\nassert user_id == 7\n```\n", "AssertionError"),
@@ -67,7 +67,7 @@ def test_a_marked_block_is_skipped_with_its_reason(
     reader: blocks.Reader, tmp_path: Path
 ) -> None:
     page = _page(tmp_path, '<!-- skip: next "needs Docker" -->\n```sh\ndocker ps\n```\n'
-                           '<!-- sql-as: drain_stager -->\n```sql\n'
+                           '<!-- sql-as: app_drain_stager -->\n```sql\n'
                            "INSERT INTO staged_jobs (task_name) VALUES ('t');\n```\n")
     skipped = blocks.run_document(page, reader)
     assert skipped == [f"{page}, line 2: needs Docker"]

@@ -1,6 +1,6 @@
 """The drain under the least-privileged roles of docs/running.md (tests/roles.py).
 
-* A drain whose role is granted ``drain_runner`` takes the lock and delivers,
+* A drain whose role is granted the database's runner role takes the lock and delivers,
   its metrics sampler and ``drain status`` read what they need.
 * A grant that is missing is a fatal error with exit code 5 and one line,
   never a retry: for ``drain run`` (also ``--exit-when-empty``), its metrics
@@ -74,7 +74,7 @@ def test_the_wrong_role_for_a_command_is_told_which_it_needs(db_url: str) -> Non
                           env=support.drain_env(db_url, roles.RUNNER) | {
                               "DRAIN_DATABASE_URL": roles.url(db_url, roles.STAGER)})
     assert ran.returncode == PERMISSION_DENIED, ran.stderr
-    assert "drain_operator" in ran.stderr
+    assert "need this database's operator role" in ran.stderr
 
 
 def test_the_metrics_sampler_refused_a_table_ends_the_drain_with_exit_code_5(
@@ -83,7 +83,7 @@ def test_the_metrics_sampler_refused_a_table_ends_the_drain_with_exit_code_5(
     """Before: "metrics sample failed: permission denied for table dead_jobs;
     retrying", every interval, for ever."""
     with psycopg.connect(db_url, autocommit=True) as admin:
-        admin.execute("REVOKE SELECT ON dead_jobs FROM drain_runner")
+        admin.execute(f'REVOKE SELECT ON dead_jobs FROM "{roles.prefix_of(db_url)}runner"')
     env = support.drain_env(db_url, DRAIN_METRICS_PORT=str(support.free_port()),
                             DRAIN_METRICS_INTERVAL="0.2")
     proc = spawn(support.drain_argv("run"), env, "drain")

@@ -9,7 +9,7 @@
   trigger sends one notification per committed INSERT or COPY statement,
   nothing before the commit and nothing for a rollback (without an idle drain
   it sends none: tests/integration/test_wakeup.py).
-* drain_stager may only INSERT; drain_runner may only SELECT and DELETE, and
+* the stager role may only INSERT; the runner may only SELECT and DELETE, and
   set the wake flag.
 * The wheel carries a byte-identical copy of the schema.
 """
@@ -95,15 +95,26 @@ CATALOG_QUERIES = {
     "comment": "SELECT obj_description('staged_jobs'::regclass, 'pg_class')",
     "roles": """
         SELECT rolname, rolcanlogin FROM pg_roles
-        WHERE rolname IN ('drain_stager', 'drain_runner', 'drain_operator', 'drain_consumer')
+        WHERE rolname IN (SELECT value || kind FROM drain_settings,
+                                 unnest(ARRAY['stager', 'runner', 'operator', 'consumer']) kind
+                          WHERE key = 'role_prefix')
         ORDER BY rolname
     """,
 }
 
 
 def catalog(url: str) -> dict[str, list[tuple[Any, ...]]]:
+    """The catalog of ``url``'s drain objects, its group roles' names shown as
+    ``<prefix>stager``... (each database has its own)."""
+    prefix = roles.prefix_of(url)
+
+    def generic(value: Any) -> Any:
+        return (f"<prefix>{value.removeprefix(prefix)}"
+                if isinstance(value, str) and value.startswith(prefix) else value)
+
     with psycopg.connect(url) as conn:
-        return {name: conn.execute(q).fetchall() for name, q in CATALOG_QUERIES.items()}
+        return {name: [tuple(map(generic, row)) for row in conn.execute(q).fetchall()]
+                for name, q in CATALOG_QUERIES.items()}
 
 
 def apply_migrate(url: str) -> None:
@@ -131,28 +142,30 @@ def test_catalog_snapshot_is_the_schema(db_url: str) -> None:
     assert "WHEN (((pg_sequence_last_value('drain_wake'::regclass) % (2)::bigint) = 1))" in n_def
     assert (xact, x_enabled) == ("staged_jobs_xact", "O")
     assert "BEFORE INSERT OR UPDATE ON public.staged_jobs FOR EACH ROW" in x_def
+    assert roles.prefix_of(db_url).endswith("_drain_")  # the template's: <its name>_drain_
     assert {
-        (table, role, priv) for table, role, priv, _ in snap["grants"] if role.startswith("drain_")
+        (table, role.removeprefix("<prefix>"), priv) for table, role, priv, _ in snap["grants"]
+        if role.startswith("<prefix>")
     } == {
-        ("staged_jobs", "drain_stager", "INSERT"),
-        ("staged_jobs", "drain_runner", "SELECT"),
-        ("staged_jobs", "drain_runner", "DELETE"),
-        ("dead_jobs", "drain_runner", "SELECT"),
-        ("dead_jobs", "drain_runner", "INSERT"),
-        ("drain_schema_state", "drain_runner", "SELECT"),
-        ("drain_wake", "drain_runner", "UPDATE"),
-        ("staged_jobs", "drain_operator", "INSERT"),
-        ("dead_jobs", "drain_operator", "SELECT"),
-        ("dead_jobs", "drain_operator", "DELETE"),
-        ("drain_processed", "drain_operator", "SELECT"),
-        ("drain_processed", "drain_operator", "DELETE"),
-        ("drain_processed", "drain_consumer", "SELECT"),
-        ("drain_processed", "drain_consumer", "INSERT"),
+        ("staged_jobs", "stager", "INSERT"),
+        ("staged_jobs", "runner", "SELECT"),
+        ("staged_jobs", "runner", "DELETE"),
+        ("dead_jobs", "runner", "SELECT"),
+        ("dead_jobs", "runner", "INSERT"),
+        ("drain_schema_state", "runner", "SELECT"),
+        ("drain_wake", "runner", "UPDATE"),
+        ("staged_jobs", "operator", "INSERT"),
+        ("dead_jobs", "operator", "SELECT"),
+        ("dead_jobs", "operator", "DELETE"),
+        ("drain_processed", "operator", "SELECT"),
+        ("drain_processed", "operator", "DELETE"),
+        ("drain_processed", "consumer", "SELECT"),
+        ("drain_processed", "consumer", "INSERT"),
     }
     # RETURNING task_id (and drain_stage(), which returns it): that column only.
-    assert snap["column_grants"] == [("staged_jobs", "task_id", "drain_stager", "SELECT")]
-    assert snap["roles"] == [("drain_consumer", False), ("drain_operator", False),
-                             ("drain_runner", False), ("drain_stager", False)]
+    assert snap["column_grants"] == [("staged_jobs", "task_id", "<prefix>stager", "SELECT")]
+    assert snap["roles"] == [("<prefix>consumer", False), ("<prefix>operator", False),
+                             ("<prefix>runner", False), ("<prefix>stager", False)]
     assert [c[0] for c in snap["columns"]] == [
         "id", "task_id", "task_name", "args", "kwargs", "queue", "queue_legacy", "staged_at",
         "priority",

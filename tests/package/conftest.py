@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests import roles, support
+from tests import roles
 from tests.package.installed import Installed, build_and_install
 
 
@@ -21,7 +21,7 @@ def installed_db(installed: Installed, empty_db_url: str) -> Iterator[str]:
     """A database migrated by the installed ``drain migrate`` (as its owner)."""
     done = installed.run([installed.drain, "migrate"], installed.env(empty_db_url, roles.ADMIN))
     assert done.returncode == 0, done.stderr
-    roles.ensure(support.ADMIN_URL)  # the tests' login roles, as the template database has
+    roles.ensure(empty_db_url)  # the tests' login roles, granted its group roles
     yield empty_db_url
 
 
