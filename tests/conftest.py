@@ -117,7 +117,7 @@ def template_db() -> Iterator[str]:
     with support.database(name) as url:
         with psycopg.connect(url) as conn:
             store.migrate(conn)
-        roles.ensure(support.ADMIN_URL)  # the login roles that hold its group roles
+        roles.ensure(url)  # the login roles that hold its group roles
         yield name
 
 
@@ -265,7 +265,7 @@ def django_db(template_db: str) -> Iterator[str]:
                 "NAME": name,
                 "USER": "postgres",
                 "HOST": "127.0.0.1",
-                "PORT": "5432",
+                "PORT": str(support.PG_PORT),
             }
         },
         INSTALLED_APPS=[],

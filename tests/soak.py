@@ -60,8 +60,8 @@ class Soak:
         self.faults: collections.Counter[str] = collections.Counter()
         self.stop = threading.Event()
         self.procs: list[support.Process] = []
-        self.pg_proxy = support.TcpProxy(5432)
-        self.amqp_proxy = support.TcpProxy(5672)
+        self.pg_proxy = support.TcpProxy(support.PG_PORT)
+        self.amqp_proxy = support.TcpProxy(support.BROKER_PORT)
         self.drains: list[support.Process] = []
         self.started = 0
 
@@ -86,9 +86,9 @@ class Soak:
 
     def start_drain(self) -> support.Process:
         proxied = support.database_url(self.name).replace(
-            "127.0.0.1:5432", f"127.0.0.1:{self.pg_proxy.port}")
+            f"127.0.0.1:{support.PG_PORT}", f"127.0.0.1:{self.pg_proxy.port}")
         env = support.drain_env(
-            proxied, DRAIN_BROKER_URL=f"amqp://guest:guest@127.0.0.1:{self.amqp_proxy.port}//",
+            proxied, DRAIN_BROKER_URL=support.broker_url(self.amqp_proxy.port),
             CELERY_APP_DATABASE_URL=self.url,
         )
         return self.spawn(

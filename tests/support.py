@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import pika
 import psycopg
@@ -37,12 +38,29 @@ from drain.settings.urls import broker_parameters
 from tests import roles
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The run's Postgres (tests/services.py makes a cluster for each run) and RabbitMQ
+#: (a vhost of the run's own).
 ADMIN_URL = roles.ADMIN_URL
 BROKER_URL = os.environ.get("DRAIN_TEST_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
+#: Their ports on 127.0.0.1, for proxies in front of them (TcpProxy).
+PG_PORT = urlsplit(ADMIN_URL).port or 5432
+BROKER_PORT = urlsplit(BROKER_URL).port or 5672
+#: The run's vhost as it stands in a broker URL's path ("/" is "" in Celery's spelling).
+BROKER_VHOST_PATH = urlsplit(BROKER_URL).path.removeprefix("/")
+#: ... and its name, as rabbitmqctl takes it.
+BROKER_VHOST = unquote(BROKER_VHOST_PATH) or "/"
 
 
-def database_url(name: str) -> str:
-    return ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+def database_url(name: str, port: int | None = None) -> str:
+    """The superuser's URL of database ``name`` on the run's cluster (through
+    ``port`` instead of the cluster's, e.g. a proxy's)."""
+    url = ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    return url if port is None else url.replace(f":{PG_PORT}/", f":{port}/", 1)
+
+
+def broker_url(port: int | None = None, *, user: str = "guest", password: str = "guest") -> str:
+    """A URL of the run's vhost, as ``user`` (through ``port``, e.g. a proxy's)."""
+    return f"amqp://{user}:{password}@127.0.0.1:{port or BROKER_PORT}/{BROKER_VHOST_PATH}"
 
 
 def unique(prefix: str) -> str:
@@ -377,7 +395,10 @@ def drain_env(db_url: str, role: str = roles.RUNNER, **extra: str) -> dict[str, 
     """The environment of a ``drain`` process on ``db_url``, as ``role`` (tests/roles.py:
     the drain's least-privileged role by default; roles.ADMIN for the superuser). The
     test's Celery app (celery_app, CELERY_APP_DATABASE_URL) writes as the superuser."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DRAIN_", "PG"))}
+    # The drain's own settings come from here alone; the run's addresses
+    # (DRAIN_TEST_*, tests/services.py) go through to the test apps.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DRAIN_", "PG")) or k.startswith("DRAIN_TEST_")}
     env.update(
         DRAIN_DATABASE_URL=roles.url(db_url, role),
         DRAIN_BROKER_URL=BROKER_URL,
@@ -453,7 +474,7 @@ class _Link:
 
 def via_proxy(db_url: str, port: int) -> str:
     """A test database's URL (support.database_url) through a TcpProxy on ``port``."""
-    proxied = db_url.replace("@127.0.0.1:5432/", f"@127.0.0.1:{port}/")
+    proxied = db_url.replace(f"@127.0.0.1:{PG_PORT}/", f"@127.0.0.1:{port}/")
     assert proxied != db_url, f"not a test database URL: {db_url}"
     return proxied
 

@@ -160,14 +160,15 @@ def test_a_blocked_broker_that_dies_silently_is_noticed_though_the_app_sets_no_h
     forwarded) while the second is down: the drain notices within the heartbeat's
     bound, ``drain_broker_blocked`` returns to 0 with the connection, and once the
     alarm clears and the second broker is back every held job goes out through it."""
-    first, second = support.TcpProxy(5672).start(), support.TcpProxy(5672).start()
-    shown = [f"amqp://guest:***@127.0.0.1:{p.port}//" for p in (first, second)]
+    first = support.TcpProxy(support.BROKER_PORT).start()
+    second = support.TcpProxy(support.BROKER_PORT).start()
+    shown = [support.broker_url(p.port, password="***") for p in (first, second)]
     (tmp_path / "silent_broker_app.py").write_text(textwrap.dedent(f"""
         from celery import Celery
 
         app = Celery("silent_broker_app", set_as_current=False)
-        app.conf.broker_url = ("amqp://guest:guest@127.0.0.1:{first.port}//;"
-                               "amqp://guest:guest@127.0.0.1:{second.port}//")
+        app.conf.broker_url = ("{support.broker_url(first.port)};"
+                               "{support.broker_url(second.port)}")
         app.conf.broker_heartbeat = 0
 
 

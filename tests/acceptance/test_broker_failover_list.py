@@ -36,14 +36,14 @@ def test_the_first_broker_down_publishes_through_the_second(db_url: str, queue: 
     staged = support.stage_backlog(db_url, queue, 300)
     closed = support.free_port()
     # Never sent anywhere (nothing listens there), and never shown.
-    first = f"amqp://guest:Zq8Kx3Wv@127.0.0.1:{closed}//"
+    first = support.broker_url(closed, password="Zq8Kx3Wv")
     result = support.run_cli(db_url, "run", "--exit-when-empty",
                              "--broker-url", f"{first} ; {SECOND}")  # the flag wins
     assert result.returncode == 0, result.stderr
     assert support.staged_count(db_url) == 0
     support.check_at_least_once(support.drain_queue(queue), staged)
     out = result.stdout + result.stderr
-    assert (f"broker at amqp://guest:***@127.0.0.1:{closed}// unreachable: connection "
+    assert (f"broker at {support.broker_url(closed, password='***')} unreachable: connection "
             f"refused; failed over to broker at {SECOND_SHOWN} (2 of 2)") in out, out
     assert "Zq8Kx3Wv" not in out
 
@@ -51,14 +51,14 @@ def test_the_first_broker_down_publishes_through_the_second(db_url: str, queue: 
 def test_a_broker_lost_mid_run_fails_over_to_the_next_and_nothing_is_lost(
     db_url: str, queue: str, spawn: Any
 ) -> None:
-    proxy = support.TcpProxy(5672).start()
+    proxy = support.TcpProxy(support.BROKER_PORT).start()
     try:
-        first = f"amqp://guest:guest@127.0.0.1:{proxy.port}//"
+        first = support.broker_url(proxy.port)
         env = support.drain_env(db_url, DRAIN_BROKER_URL=f"{first};{SECOND}")
         proc = spawn(support.drain_argv("run", "--batch-size", "200", "--poll-interval", "0.2"),
                      env, "drain")
         proc.wait_for_output(
-            f"connected to broker at amqp://guest:***@127.0.0.1:{proxy.port}// (1 of 2)",
+            f"connected to broker at {support.broker_url(proxy.port, password='***')} (1 of 2)",
             timeout=30)
         staged = support.stage_backlog(db_url, queue, 20_000)
         support.wait_for(lambda: support.staged_count(db_url) < 19_000, 60,
@@ -92,7 +92,7 @@ def test_the_apps_broker_list_is_used_without_a_broker_url(
         from celery import Celery
 
         app = Celery("failover_list_app", set_as_current=False)
-        app.conf.broker_url = "amqp://guest:Qz6Wk1Xv@127.0.0.1:{closed}//; {SECOND}"
+        app.conf.broker_url = "{support.broker_url(closed, password='Qz6Wk1Xv')}; {SECOND}"
 
 
         @app.task(name="failover_list.record")
@@ -112,7 +112,7 @@ def test_the_apps_broker_list_is_used_without_a_broker_url(
     assert result.returncode == 0, result.stderr
     support.check_at_least_once(support.drain_queue(queue), staged)
     out = result.stdout + result.stderr
-    first_shown = f"amqp://guest:***@127.0.0.1:{closed}//"
+    first_shown = support.broker_url(closed, password="***")
     assert (f"brokers from the Celery app's broker_url: {first_shown};{SECOND_SHOWN} "
             "(failover: round-robin)") in out, out
     assert f"failed over to broker at {SECOND_SHOWN} (2 of 2)" in out, out

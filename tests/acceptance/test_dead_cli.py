@@ -229,7 +229,7 @@ def test_status_names_the_database_it_read_and_no_url_is_refused(db_url: str) ->
     assert status.returncode == 0, status.stderr
     database = db_url.rsplit("/", 1)[1]
     assert status.stdout.splitlines()[0] == (
-        f"database: postgresql://{roles.RUNNER}@127.0.0.1:5432/{database}")
+        f"database: postgresql://{roles.RUNNER}@127.0.0.1:{support.PG_PORT}/{database}")
     env = support.drain_env(db_url)
     del env["DRAIN_DATABASE_URL"]
     for args in (("status",), ("migrate",), ("dead", "list")):

@@ -29,7 +29,7 @@ import psycopg
 import pytest
 
 import drain
-from tests import replication, roles, support
+from tests import pg_server, replication, roles, support
 
 #: How long the primary is gone before the replica is promoted (a failover
 #: manager's detection time, kept short here).
@@ -145,7 +145,7 @@ def _published(port: int) -> float:
     return float(found.group(1))
 
 
-def _connections(server: replication.Server, pid: int) -> int:
+def _connections(server: pg_server.Server, pid: int) -> int:
     """Sessions the drain process ``pid`` opened on ``server`` (log_connections)."""
     return server.log.read_text(errors="replace").count(
         f"connection authorized: user={roles.RUNNER} database={replication.DBNAME} "

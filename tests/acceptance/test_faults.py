@@ -46,17 +46,18 @@ def _fault_pause(seconds: float) -> None:
     _FAULT_CLOCK.wait(max(seconds, 0.0))
 
 
-def _secret_db_url(db_url: str, port: int = 5432) -> str:
+def _secret_db_url(db_url: str, port: int = support.PG_PORT) -> str:
     dbname = db_url.rsplit("/", 1)[1]
     return f"postgresql://{roles.RUNNER}:{DB_SECRET}@127.0.0.1:{port}/{dbname}"
 
 
-def _broker_url(port: int = 5672) -> str:
-    return f"amqp://guest:guest@127.0.0.1:{port}//"
+def _broker_url(port: int = support.BROKER_PORT) -> str:
+    return support.broker_url(port)
 
 
 def _run_drain(
-    spawn: Any, db_url: str, *flags: str, db_port: int = 5432, broker_port: int = 5672,
+    spawn: Any, db_url: str, *flags: str, db_port: int = support.PG_PORT,
+    broker_port: int = support.BROKER_PORT,
     name: str = "drain", verbose: bool = False,
 ) -> support.Process:
     env = support.drain_env(_secret_db_url(db_url, db_port),
@@ -189,7 +190,7 @@ def _latency_figures(latencies: list[float]) -> str:
 def test_broker_down_for_a_long_while_app_keeps_staging(
     db_url: str, queue: str, spawn: Any
 ) -> None:
-    proxy = support.TcpProxy(5672).start()
+    proxy = support.TcpProxy(support.BROKER_PORT).start()
     try:
         proc = _run_drain(spawn, db_url, broker_port=proxy.port)
         before = support.stage_backlog(db_url, queue, 10)
@@ -267,7 +268,7 @@ def test_broker_connection_cut_mid_batch_repeatedly(
     db_url: str, queue: str, spawn: Any
 ) -> None:
     staged = support.stage_backlog(db_url, queue, 20_000)
-    proxy = support.TcpProxy(5672).start()
+    proxy = support.TcpProxy(support.BROKER_PORT).start()
     try:
         proc = _run_drain(spawn, db_url, "--batch-size", "500", broker_port=proxy.port)
         proc.wait_for_output("broker connected", timeout=30)
@@ -291,7 +292,7 @@ def test_broker_stall_is_noticed_and_the_batch_abandoned(
     db_url: str, queue: str, spawn: Any
 ) -> None:
     staged = support.stage_backlog(db_url, queue, 20_000)
-    proxy = support.TcpProxy(5672).start()
+    proxy = support.TcpProxy(support.BROKER_PORT).start()
     try:
         proc = _run_drain(spawn, db_url, "--batch-size", "500", "--confirm-timeout", "3",
                           broker_port=proxy.port)
@@ -368,7 +369,7 @@ def test_postgres_connection_cut_mid_batch_repeatedly(
     db_url: str, queue: str, spawn: Any
 ) -> None:
     staged = support.stage_backlog(db_url, queue, 20_000)
-    proxy = support.TcpProxy(5432).start()
+    proxy = support.TcpProxy(support.PG_PORT).start()
     try:
         proc = _run_drain(spawn, db_url, "--batch-size", "500", db_port=proxy.port)
         proc.wait_for_output("broker connected", timeout=30)
@@ -404,7 +405,7 @@ def test_postgres_restart_drain_reconnects_and_resumes(
     db_url: str, queue: str, spawn: Any
 ) -> None:
     staged = support.stage_backlog(db_url, queue, 20_000)
-    proxy = support.TcpProxy(5432).start()
+    proxy = support.TcpProxy(support.PG_PORT).start()
     try:
         proc = _run_drain(spawn, db_url, "--batch-size", "500", db_port=proxy.port)
         support.wait_for(lambda: support.staged_count(db_url) < len(staged), 60,
@@ -441,7 +442,7 @@ def test_postgres_restart_drain_reconnects_and_resumes(
 def test_split_brain_the_cut_off_drain_cannot_delete_and_the_standby_finishes(
     db_url: str, queue: str, spawn: Any
 ) -> None:
-    proxy = support.TcpProxy(5432).start()
+    proxy = support.TcpProxy(support.PG_PORT).start()
     try:
         a = _run_drain(spawn, db_url, "--batch-size", "500", db_port=proxy.port, name="a")
         a.wait_for_output("active: took the drain lock", timeout=30)
@@ -725,15 +726,15 @@ def test_passwords_never_reach_the_logs_even_verbose(
 
     (The autouse fixture scans every drain of this module the same way.)
     """
-    pg = support.TcpProxy(5432)  # not started: the database is unreachable at first
-    amqp = support.TcpProxy(5672)  # likewise the broker
+    pg = support.TcpProxy(support.PG_PORT)  # not started: the database is unreachable at first
+    amqp = support.TcpProxy(support.BROKER_PORT)  # likewise the broker
     try:
         proc = _run_drain(spawn, db_url, db_port=pg.port, broker_port=amqp.port, verbose=True)
         proc.wait_for_output("retrying with backoff", timeout=30)
         pg.start()
         proc.wait_for_output("active: took the drain lock", timeout=60)
-        proc.wait_for_output(f"broker at amqp://guest:***@127.0.0.1:{amqp.port}// unreachable",
-                             timeout=60)
+        shown = _broker_url(amqp.port).replace("guest@", "***@")
+        proc.wait_for_output(f"broker at {shown} unreachable", timeout=60)
         amqp.start()
         proc.wait_for_output("broker connected", timeout=60)
         staged = support.stage_backlog(db_url, queue, 3_000)
@@ -752,7 +753,7 @@ def test_passwords_never_reach_the_logs_even_verbose(
     out = proc.output()
     assert DB_SECRET not in out and "guest:guest" not in out
     assert f"postgresql://{roles.RUNNER}:***@127.0.0.1:{pg.port}/" in out
-    assert f"amqp://guest:***@127.0.0.1:{amqp.port}//" in out
+    assert _broker_url(amqp.port).replace("guest@", "***@") in out
     assert "DEBUG" in out, "ran without debug logging"
     # Nor in another spelling (URL-encoded, libpq key=value, a bytes repr).
     for spelling in ("s3cr3t%2Ddb", "password=s3cr3t", "password='s3cr3t", "b's3cr3t"):
@@ -767,7 +768,7 @@ def test_postgres_losses_do_not_leak_in_flight_batches(db_url: str, queue: str) 
     from drain.settings.config import Settings
 
     staged = support.stage_backlog(db_url, queue, 20_000)
-    proxy = support.TcpProxy(5432).start()
+    proxy = support.TcpProxy(support.PG_PORT).start()
     settings = Settings(database_url=_secret_db_url(db_url, proxy.port),
                         broker_url=support.BROKER_URL, batch_size=500, poll_interval=0.2,
                         max_backoff=0.5)

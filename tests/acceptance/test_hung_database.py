@@ -48,7 +48,7 @@ def test_a_hung_leader_connection_is_given_up_and_jobs_flow_again(
     db_url: str, queue: str, spawn: Any
 ) -> None:
     staged = support.stage_backlog(db_url, queue, 60_000)
-    proxy = support.TcpProxy(5432).start()
+    proxy = support.TcpProxy(support.PG_PORT).start()
     try:
         proxied = support.via_proxy(db_url, proxy.port)
         leader = _drain(spawn, proxied, "leader")

@@ -24,7 +24,7 @@ _FAULT_CLOCK = threading.Event()  # never set: its wait() is how long a fault la
 def test_the_drain_resumes_when_postgres_listens_again(
     db_url: str, queue: str, spawn: Any, outage: int
 ) -> None:
-    proxy = support.TcpProxy(5432).start()
+    proxy = support.TcpProxy(support.PG_PORT).start()
     try:
         via_proxy = support.via_proxy(db_url, proxy.port)
         proc = spawn(support.drain_argv("run", "--poll-interval", "0.2"),

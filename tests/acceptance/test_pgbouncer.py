@@ -205,7 +205,7 @@ def _server_pid(url: str) -> tuple[int, int]:
 def test_probe_passes_sessions_of_their_own(db_url: str, bouncers: Start) -> None:
     """Direct, through a TCP proxy, through a session pool: passes, and returns the
     server backend's pid (a pool hands out a key of its own)."""
-    proxy = support.TcpProxy(5432).start()
+    proxy = support.TcpProxy(support.PG_PORT).start()
     try:
         proxied = support.via_proxy(db_url, proxy.port)
         for url in (db_url, proxied):
@@ -271,10 +271,10 @@ def test_probe_looks_where_the_first_connection_went(db_url: str) -> None:
     """A multi-host URL: the second connection is pinned to the host and port reached."""
     params = conninfo.conninfo_to_dict(db_url)
     dead = support.free_port()
-    url = conninfo.make_conninfo(db_url, host="127.0.0.1,127.0.0.1", port=f"{dead},5432",
-                                 target_session_attrs="any")
+    url = conninfo.make_conninfo(db_url, host="127.0.0.1,127.0.0.1",
+                                 port=f"{dead},{support.PG_PORT}", target_session_attrs="any")
     with psycopg.connect(url, autocommit=True) as conn:
         pinned = conninfo.conninfo_to_dict(session_probe._same_place(conn, url))
-    assert pinned["port"] == "5432" and pinned["host"] == "127.0.0.1"
+    assert pinned["port"] == str(support.PG_PORT) and pinned["host"] == "127.0.0.1"
     assert pinned["dbname"] == params["dbname"]
     assert "target_session_attrs" not in pinned

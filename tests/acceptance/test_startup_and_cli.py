@@ -28,7 +28,7 @@ def test_database_unreachable_at_start_then_appears(
     proc = spawn(support.drain_argv("run"), support.drain_env(url), "drain")
     proc.wait_for_output("unreachable", timeout=30)
     proc.wait_for_output("retrying with backoff", timeout=30)
-    proxy = support.TcpProxy(5432, port=port).start()
+    proxy = support.TcpProxy(support.PG_PORT, port=port).start()
     try:
         task_id = _stage_one(db_url, queue)
         support.wait_for(lambda: _published(queue, task_id), 60,
@@ -47,13 +47,13 @@ def test_broker_unreachable_at_start_then_appears(
     db_url: str, queue: str, spawn: Any
 ) -> None:
     port = support.free_port()
-    env = support.drain_env(db_url, DRAIN_BROKER_URL=f"amqp://guest:guest@127.0.0.1:{port}//")
+    env = support.drain_env(db_url, DRAIN_BROKER_URL=support.broker_url(port))
     proc = spawn(support.drain_argv("run"), env, "drain")
     proc.wait_for_output("active: took the drain lock", timeout=30)
     proc.wait_for_output("broker at amqp://guest:***@127.0.0.1", timeout=30)
     task_id = _stage_one(db_url, queue)
     assert support.staged_count(db_url) == 1
-    proxy = support.TcpProxy(5672, port=port).start()
+    proxy = support.TcpProxy(support.BROKER_PORT, port=port).start()
     try:
         support.wait_for(lambda: _published(queue, task_id), 60,
                          "the job to be published once the broker appeared")
@@ -78,6 +78,7 @@ def test_schema_missing_is_one_line_and_exit_4(empty_db_url: str) -> None:
 def test_migrate_then_run_works(empty_db_url: str) -> None:
     assert support.run_cli(empty_db_url, "migrate").returncode == 0
     assert support.run_cli(empty_db_url, "migrate").returncode == 0
+    roles.ensure(empty_db_url)  # its own roles, granted to the tests' login roles
     result = support.run_cli(empty_db_url, "status", "--json")
     assert result.returncode == 0, result.stderr
     assert '"backlog": 0' in result.stdout
@@ -151,11 +152,11 @@ def test_refused_credentials_at_start_exit_3_without_secrets(db_url: str) -> Non
         f"drain: error: database {url.replace('hunter2', '***')} refused the connection: "
         'role "nosuchrole" does not exist'
     )
-    env = support.drain_env(db_url, DRAIN_BROKER_URL="amqp://guest:wrong-pw@127.0.0.1:5672//")
+    env = support.drain_env(db_url, DRAIN_BROKER_URL=support.broker_url(password="wrong-pw"))
     result = support.run_cli(db_url, "run", env=env)
     assert result.returncode == 3
     assert result.stderr.strip().splitlines()[-1] == (
-        "drain: error: broker at amqp://guest:***@127.0.0.1:5672// refused us: "
+        f"drain: error: broker at {support.broker_url(password='***')} refused us: "
         "login refused (check the user name and password)"
     )
     assert "wrong-pw" not in result.stderr

@@ -36,8 +36,8 @@ from tests import support
 PARALLEL = max(2, min(4, os.cpu_count() or 2))
 #: Every command here fails or finishes fast; this only bounds a hang.
 TIMEOUT = 30.0
-DB_PORT = 5432
-BROKER_PORT = 5672
+DB_PORT = support.PG_PORT
+BROKER_PORT = support.BROKER_PORT
 
 
 @dataclasses.dataclass(frozen=True)

@@ -183,7 +183,7 @@ def test_a_frozen_backend_holding_the_lock_is_ended_and_the_drain_leads_again(
     """A silent cut neither Postgres nor PgBouncer sees: the backend lives on,
     holding the lock, until the drain ends it."""
     url = (_through(proxies, bouncer.url(db_url), bouncer.port) if path == "pgbouncer"
-           else _through(proxies, db_url, 5432))
+           else _through(proxies, db_url, support.PG_PORT))
     lanes = {"lanes": 2, "lane": 1} if "lane" in path else {}
     store = _store(url, **lanes)
     standby = _store(db_url, **lanes)

@@ -139,8 +139,8 @@ def _user(write: str) -> Iterator[tuple[str, str]]:
     user, password = support.unique("drain_refused_u"), uuid.uuid4().hex
     _rabbitmqctl("add_user", user, password)
     try:
-        _rabbitmqctl("set_permissions", "-p", "/", user, ".*", write, ".*")
-        url = f"amqp://{user}:{password}@127.0.0.1:5672//"
+        _rabbitmqctl("set_permissions", "-p", support.BROKER_VHOST, user, ".*", write, ".*")
+        url = support.broker_url(user=user, password=password)
         support.wait_for(lambda: _logs_in(url), 30, f"{user} to be let in")
         yield user, url
     finally:
@@ -231,7 +231,7 @@ def test_a_drain_without_write_permission_holds_its_rows_and_says_so(
             assert running.drain.pipeline.paused[queue][1] <= 3
             assert metrics.get_sample_value("drain_dead_lettered_total",
                                             {"reason": "refused"}) == 0
-            _rabbitmqctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
+            _rabbitmqctl("set_permissions", "-p", support.BROKER_VHOST, user, ".*", ".*", ".*")
             support.wait_for(lambda: support.staged_count(db_url) == 0, 60,
                              "the rows once the drain may write")
             assert running.drain.metrics.registry.get_sample_value(
