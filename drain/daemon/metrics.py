@@ -45,6 +45,14 @@ _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 _WAIT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
          900.0, 3600.0)
 _ROWS = (1, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
+#: The reasons a row is dead-lettered for (staging_schema.sql, dead_jobs).
+DEAD_REASONS = ("expired", "too_large", "invalid", "unknown_task", "refused")
+#: The reply codes a broker refuses a publish with (drain.broker.refusal): 404 no
+#: exchange, 406 a precondition (a message the queue refuses), 403 no permission.
+PUBLISH_REFUSED_CODES = ("403", "404", "406")
+#: ... and a queue declaration with: 406 other arguments, 405 an exclusive queue of
+#: another connection, 403 an amq.* name or no permission; "other" for the rest.
+DECLARE_REFUSED_CODES = ("403", "405", "406", "other")
 
 
 class Metrics:
@@ -153,12 +161,20 @@ class Metrics:
             "Dead tuples in staged_jobs (sampled from pg_stat_user_tables, an estimate).")
         self.sampled_at = gauge(
             "drain_sample_timestamp_seconds", "Unix time of the last successful sample.")
-        # Labelled counters exist from the start, so that rate() and increase()
-        # see their first step (a series born at 1 would look like no increase).
-        for reason in ("expired", "too_large", "invalid", "unknown_task", "refused"):
+        # Labelled series of known label values exist from the start (at 0), so
+        # that rate() and increase() see their first step (a series born at 1 would
+        # look like no increase) and a dashboard shows 0, not "No data". A reply code
+        # not listed gets its series when it first happens.
+        for reason in DEAD_REASONS:
             self.dead_lettered.labels(reason)
         for target in ("database", "broker"):
             self.reconnects.labels(target)
+        for code in PUBLISH_REFUSED_CODES:
+            self.publish_refused.labels(code)
+        for code in DECLARE_REFUSED_CODES:
+            self.declare_refused.labels(code)
+        for reason in DEAD_REASONS:
+            self.dead_jobs.labels(reason)
         self._lock_since: float | None = None
         self.lock_held_seconds.set_function(
             lambda: time.time() - self._lock_since if self._lock_since is not None else 0.0)
@@ -183,6 +199,8 @@ class Metrics:
             self.backlog_groups.labels(*key).inc(count)
         self.oldest_age.set(status["oldest_age_seconds"] or 0)
         self.dead_jobs.clear()
+        for reason in DEAD_REASONS:  # 0, not absent, when there are none
+            self.dead_jobs.labels(reason)
         for reason, count in status["dead_by_reason"].items():
             self.dead_jobs.labels(reason).set(count)
         oldest = status["oldest_transaction"]  # None: no other transaction is open

@@ -8,6 +8,7 @@ import socket
 from typing import Any
 
 import psycopg
+import yaml
 
 import drain
 from tests import roles, support
@@ -146,7 +147,7 @@ def test_a_drain_whose_database_hangs_gives_the_connection_up_and_recovers_losin
     connection and says so; it cannot reconnect, so it is not ready, but it is
     alive (the loop turns). When Postgres answers again it reconnects, leads
     again, and the jobs staged meanwhile are delivered."""
-    proxy = support.TcpProxy(5432).start()
+    proxy = support.TcpProxy(support.PG_PORT).start()
     try:
         port = support.free_port()
         proxied = support.via_proxy(db_url, proxy.port)
@@ -198,3 +199,57 @@ def test_a_metrics_port_in_use_is_a_one_line_error(db_url: str) -> None:
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("drain: error: cannot serve metrics on 127.0.0.1:")
     assert "--metrics-port" in lines[-1]
+
+
+#: Series whose label values are data (a queue, a tag), not known in advance: a
+#: drain with an empty backlog has none of them, and says so by their absence.
+DATA_LABELLED = {"drain_backlog_group_rows"}
+
+
+def _queried_names() -> dict[str, set[str]]:
+    """Every drain_* series name the Grafana dashboard and the alert rules query:
+    {name: where}."""
+    exprs: list[tuple[str, str]] = []
+    dashboard = json.loads((support.ROOT / "deploy" / "grafana" / "drain.json").read_text())
+    stack: list[Any] = [dashboard]
+    while stack:  # every "expr" and "query" string anywhere in the dashboard
+        node = stack.pop()
+        if isinstance(node, dict):
+            exprs += [(f"dashboard {key}", v) for key, v in node.items()
+                      if key in ("expr", "query") and isinstance(v, str)]
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    alerts = yaml.safe_load((support.ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
+    exprs += [(f"alert {rule['alert']}", rule["expr"])
+              for group in alerts["groups"] for rule in group["rules"]]
+    found: dict[str, set[str]] = {}
+    for where, expr in exprs:
+        for name in re.findall(r"\bdrain_[a-z_]+", expr):
+            found.setdefault(name, set()).add(where)
+    return found
+
+
+def test_a_fresh_drain_exports_every_series_the_dashboard_and_alerts_query(
+    db_url: str, spawn: Any
+) -> None:
+    """Issue 35, item 4: before any fault, a drain's /metrics already has a series
+    for every name the dashboard and the alerts query (a labelled counter at 0
+    for each label value known in advance), so a panel shows 0 and an alert on
+    rate() or increase() sees the first event. Before: drain_declare_refused_total
+    and drain_publish_refused_total were absent until their first increment."""
+    port = support.free_port()
+    _start(spawn, db_url, port, "leader")
+    support.wait_for(lambda: (_value(port, "drain_sample_timestamp_seconds") or 0) > 0, 30,
+                     "the first sample")
+    _, text = _get(port, "/metrics")
+    exported = set(re.findall(r"^(drain_[a-z_]+)(?:\{| )", text, re.MULTILINE))
+    queried = _queried_names()
+    assert len(queried) >= 20, sorted(queried)  # the reading of the files found them
+    missing = {name: sorted(where) for name, where in queried.items()
+               if name not in exported and name not in DATA_LABELLED}
+    assert not missing, missing
+    for code in ("403", "404", "406"):
+        assert _metric(text, "drain_publish_refused_total", f'code="{code}"') == 0
+    assert _metric(text, "drain_declare_refused_total", 'code="406"') == 0
+    assert _metric(text, "drain_dead_jobs_rows", 'reason="expired"') == 0
