@@ -55,8 +55,11 @@ def fresh_database(name: str) -> str:
 
 
 def drop_database(name: str) -> None:
+    """Drop the database, and the group roles its migrate made (they outlive it)."""
     with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
         admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.execute("DROP ROLE IF EXISTS " + ", ".join(
+            f'"{role}"' for role in store.role_names(f"{name}_drain_")))
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ import psycopg
 import pytest
 
 import drain
-from drain.postgres import sql
+from drain.postgres import sql, store
 from drain.postgres.wakeup import WAKE_CLASS
 from drain.settings.urls import broker_parameters
 from tests import roles
@@ -88,6 +88,16 @@ def database(name: str, template: str | None = None) -> Iterator[str]:
     finally:
         with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            drop_roles_of(admin, name)
+
+
+def drop_roles_of(admin: psycopg.Connection[Any], name: str) -> None:
+    """The group roles a migrate of database ``name`` made (``<name>_drain_*``), once
+    the database is gone: roles outlive it. Those still granted something
+    elsewhere (a template's, while its copies live) stay."""
+    for role in store.role_names(f"{name}_drain_"):
+        with contextlib.suppress(psycopg.errors.DependentObjectsStillExist):
+            admin.execute(f'DROP ROLE IF EXISTS "{role}"')
 
 
 def wait_for(
