@@ -130,16 +130,23 @@ def _json_line(row: dict[str, Any]) -> str:
 
 
 def _act_on_dead(
-    args: argparse.Namespace, what: str, act: Callable[[Any, dead.Filters], int], done: str
+    args: argparse.Namespace, what: str,
+    act: Callable[[Any, dead.Filters, int], int], done: str,
 ) -> int:
-    """Count the matching dead jobs, confirm, act, and say how many were affected."""
+    """Count the matching dead jobs, confirm, act on exactly those, and say how many
+    were affected. The action is bound to what was shown: the jobs dead-lettered
+    while the question was open are left alone (dead.Filters.upto), and if the
+    shown ones are no longer all there, nothing is done (dead.ChangedSinceShown).
+    No transaction stays open while the operator reads the question."""
     filters = _filters(args)
     with session.connect_plain(settings_of(args)) as conn:
         if what == "requeue" and args.expires_in is None:
             dead.refuse_without_time_to_live(conn, filters)  # before asking
-        if not _confirm(what, dead.count(conn, filters), filters, args.yes):
+        count, bound = dead.shown(conn, filters)
+        conn.rollback()  # nothing read stays locked or held while the operator answers
+        if not _confirm(what, count, filters, args.yes):
             return Exit.OK
-        print(done.format(act(conn, filters)))
+        print(done.format(act(conn, bound, count)))
     return Exit.OK
 
 
@@ -150,7 +157,7 @@ def cmd_dead_requeue(args: argparse.Namespace) -> int:
             "that expires later (406 PRECONDITION_FAILED); leave it out to keep each job's "
             "own time to live")
     return _act_on_dead(
-        args, "requeue", lambda conn, f: dead.requeue(conn, f, args.expires_in),
+        args, "requeue", lambda conn, f, shown: dead.requeue(conn, f, args.expires_in, shown),
         "requeued {} job(s)",
     )
 

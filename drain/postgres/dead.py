@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from drain.errors import ConfigError, SchemaMissing, StagingError
+from drain.errors import ConfigError, DrainError, SchemaMissing, StagingError
 from drain.postgres import sql as queries
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -53,10 +53,16 @@ class Filters:
     tag: str | None = None
     queue: str | None = None
     older_than: dt.timedelta | None = None
+    #: Only dead jobs of a dead_id up to this: the ones that matched when they were
+    #: counted and shown (:func:`shown`), not those dead-lettered since.
+    upto: int | None = None
 
     def where(self) -> tuple[sql.Composable, dict[str, Any]]:
         conditions: list[sql.Composable] = [sql.SQL("TRUE")]
         params: dict[str, Any] = {}
+        if self.upto is not None:
+            conditions.append(sql.SQL("dead_id <= {}").format(sql.Placeholder("upto")))
+            params["upto"] = self.upto
         for column, value in (("reason", self.reason), ("task_name", self.task),
                               ("tag", self.tag), ("queue", self.queue)):
             if value is not None:
@@ -72,7 +78,8 @@ class Filters:
     def describe(self) -> str:
         parts = [
             f"{name}={format_duration(value) if isinstance(value, dt.timedelta) else value}"
-            for name, value in dataclasses.asdict(self).items() if value is not None
+            for name, value in dataclasses.asdict(self).items()
+            if value is not None and name != "upto"
         ]
         return ", ".join(parts) if parts else "no filter"
 
@@ -83,6 +90,32 @@ def count(conn: psycopg.Connection[Any], filters: Filters) -> int:
         sql.SQL("SELECT count(*) FROM dead_jobs WHERE {}").format(where), params
     ).fetchone()
     return int(row[0]) if row else 0
+
+
+def shown(conn: psycopg.Connection[Any], filters: Filters) -> tuple[int, Filters]:
+    """How many dead jobs match, and the filters bound to those (``upto``: the
+    largest dead_id among them), for an action to move exactly what was shown."""
+    where, params = filters.where()
+    row = conn.execute(
+        sql.SQL("SELECT count(*), max(dead_id) FROM dead_jobs WHERE {}").format(where), params
+    ).fetchone()
+    found, upto = (int(row[0]), row[1]) if row else (0, None)
+    return found, dataclasses.replace(filters, upto=int(upto) if upto is not None else 0)
+
+
+class ChangedSinceShown(DrainError):
+    """An action found another number of matching dead jobs than were shown: a
+    drain dead-lettered or someone moved some meanwhile. Nothing was done."""
+
+
+def _exactly(what: str, done: int, expect: int | None) -> int:
+    """``done`` when it is what was shown (``expect``; None: not bound), else raise
+    ChangedSinceShown (inside the action's transaction, which it rolls back)."""
+    if expect is not None and done != expect:
+        raise ChangedSinceShown(
+            f"{expect} dead job(s) were shown, {done} match now (moved or removed "
+            f"meanwhile): nothing was {what}; run it again to see them")
+    return done
 
 
 def rows(conn: psycopg.Connection[Any], filters: Filters, limit: int) -> list[dict[str, Any]]:
@@ -104,9 +137,12 @@ def rows(conn: psycopg.Connection[Any], filters: Filters, limit: int) -> list[di
 
 
 def requeue(
-    conn: psycopg.Connection[Any], filters: Filters, expires_in: dt.timedelta | None = None
+    conn: psycopg.Connection[Any], filters: Filters, expires_in: dt.timedelta | None = None,
+    expect: int | None = None,
 ) -> int:
-    """Move matching dead jobs back into ``staged_jobs``; returns how many.
+    """Move matching dead jobs back into ``staged_jobs``; returns how many. With
+    ``expect`` (the count shown), all of them or none: ChangedSinceShown when
+    another number matches now.
 
     They keep their task id, priority, tag, queue, embed (callbacks, a chain's
     next tasks) and ``queue_legacy`` (a job staged without a queue before the
@@ -141,7 +177,8 @@ def requeue(
             FROM moved
             """
         ).format(where, expires_in=sql.Placeholder("expires_in"))
-        return conn.execute(query, {**params, "expires_in": expires_in}).rowcount
+        moved = conn.execute(query, {**params, "expires_in": expires_in}).rowcount
+        return _exactly("requeued", moved, expect)
 
 
 def no_time_to_live(conn: psycopg.Connection[Any], filters: Filters) -> int:
@@ -184,10 +221,12 @@ def refuse_without_time_to_live(conn: psycopg.Connection[Any], filters: Filters)
             "them out (--task, --tag, --reason ...)")
 
 
-def purge(conn: psycopg.Connection[Any], filters: Filters) -> int:
-    """Delete matching dead jobs for good; returns how many."""
+def purge(conn: psycopg.Connection[Any], filters: Filters, expect: int | None = None) -> int:
+    """Delete matching dead jobs for good; returns how many. With ``expect`` (the
+    count shown), all of them or none (ChangedSinceShown)."""
     where, params = filters.where()
     with conn.transaction():
-        return conn.execute(
+        purged = conn.execute(
             sql.SQL("DELETE FROM dead_jobs WHERE {}").format(where), params
         ).rowcount
+        return _exactly("purged", purged, expect)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import pty
+import select
+import subprocess
 import uuid
 from typing import Any
 
@@ -263,3 +267,101 @@ def test_infinite_and_bc_times_are_read_by_every_command(db_url: str) -> None:
     assert "--expires-in" in refused.stderr
     done = support.run_cli(db_url, "dead", "requeue", "--yes", "--expires-in", "1h")
     assert done.returncode == 0 and "requeued 1 job(s)" in done.stdout, done
+
+
+class _Terminal:
+    """``drain ARGS`` with a terminal on stdin and stdout (so it asks), as an operator."""
+
+    def __init__(self, db_url: str, *args: str) -> None:
+        self.controller, terminal = pty.openpty()
+        self.proc = subprocess.Popen(
+            support.drain_argv(*args), env=support.drain_env(db_url, roles.OPERATOR),
+            stdin=terminal, stdout=terminal, stderr=terminal, cwd=support.ROOT,
+            start_new_session=True)
+        os.close(terminal)
+        self.seen = b""
+
+    def read(self) -> str:
+        while select.select([self.controller], [], [], 0)[0]:
+            try:
+                chunk = os.read(self.controller, 65536)
+            except OSError:  # the other side closed
+                break
+            if not chunk:
+                break
+            self.seen += chunk
+        return self.seen.decode(errors="replace")
+
+    def answer(self, text: str) -> None:
+        os.write(self.controller, text.encode() + b"\n")
+
+    def finish(self) -> tuple[int, str]:
+        code = self.proc.wait(60)
+        self.read()  # what it wrote before it exited
+        os.close(self.controller)
+        return code, self.seen.decode(errors="replace")
+
+
+def _bury_more(db_url: str, count: int) -> None:
+    """``count`` more dead jobs of mail.send, as a running drain expiring them would."""
+    with psycopg.connect(db_url) as conn:
+        conn.execute(
+            "INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, priority, "
+            "staged_at, reason) SELECT 1000 + g, gen_random_uuid(), 'mail.send', '[]', '{}', "
+            "'celery', 0, now(), 'expired' FROM generate_series(1, %s) g", (count,))
+
+
+def _open_transactions(db_url: str) -> int:
+    """Sessions of the operator's role idle in a transaction."""
+    with psycopg.connect(db_url) as conn:
+        row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE usename = %s "
+                           "AND state LIKE 'idle in transaction%%'", (roles.OPERATOR,)
+                           ).fetchone()
+    return int(row[0]) if row else 0
+
+
+@pytest.mark.parametrize("action", ["requeue", "purge"])
+def test_what_the_operator_confirms_is_exactly_what_is_moved(db_url: str, action: str) -> None:
+    """Issue 36, item 4: the prompt said "2 dead job(s) match", the drain expired 50
+    more while it was open, and answering y moved 52. Now the 2 shown are moved
+    and the 50 stay; and the prompt holds no transaction open on dead_jobs."""
+    task_ids = _bury(db_url)
+    args = ["dead", action, "--task", "mail.send"] + (
+        ["--older-than", "0s"] if action == "purge" else [])
+    term = _Terminal(db_url, *args)
+    try:
+        support.wait_for(lambda: "them? [y/N]" in term.read(), 30, "the question")
+        assert "2 dead job(s) match (task=mail.send" in term.read()
+        assert _open_transactions(db_url) == 0, "a transaction open while asking"
+        _bury_more(db_url, 50)
+        term.answer("y")
+        code, out = term.finish()
+    finally:
+        term.proc.kill()
+    assert code == 0, out
+    assert ("requeued 2 job(s)" if action == "requeue" else "purged 2 dead job(s)") in out
+    with psycopg.connect(db_url) as conn:
+        left = conn.execute("SELECT count(*) FROM dead_jobs WHERE task_name = 'mail.send'"
+                            ).fetchone()
+        staged = {r[0] for r in conn.execute("SELECT task_id::text FROM staged_jobs")}
+    assert left == (50,)
+    assert staged == ({task_ids[1], task_ids[2]} if action == "requeue" else set())
+
+
+def test_shown_jobs_gone_meanwhile_move_nothing_and_say_so(db_url: str) -> None:
+    """One of the two shown was purged by someone else while the question was open:
+    the requeue moves neither, in one line, and exits non-zero."""
+    _bury(db_url)
+    term = _Terminal(db_url, "dead", "requeue", "--task", "mail.send")
+    try:
+        support.wait_for(lambda: "them? [y/N]" in term.read(), 30, "the question")
+        with psycopg.connect(db_url) as conn:
+            conn.execute("DELETE FROM dead_jobs WHERE id = 1")
+        term.answer("y")
+        code, out = term.finish()
+    finally:
+        term.proc.kill()
+    assert code == 1, out
+    assert ("drain: error: 2 dead job(s) were shown, 1 match now (moved or removed "
+            "meanwhile): nothing was requeued") in out
+    assert support.staged_count(db_url) == 0
