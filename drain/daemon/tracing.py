@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import re
 import time
 from typing import TYPE_CHECKING
@@ -132,7 +131,7 @@ class Tracing:
         self._failed = False
 
     def begin_batch(self, rows: list[StagedRow]) -> None:
-        self._oldest = min(rows, key=_due_key, default=None)
+        self._oldest = oldest_due(rows)
         self._oldest_trace = None
         if self.tracer is not None:
             from opentelemetry import context, trace  # noqa: PLC0415 - the SDK's, optional
@@ -277,5 +276,20 @@ def _drops_unsampled_parents(tracer: Tracer | None) -> bool:
         "remoteParentNotSampled:AlwaysOffSampler" in text)
 
 
-def _due_key(row: StagedRow) -> float:
-    return math.inf if row.due_epoch is None else row.due_epoch
+#: A wait longer than this (10 years) is no wait but a staged_at or not_before
+#: written by hand ('-infinity', a date BC): left out of drain_job_wait_seconds,
+#: whose sum it would make +Inf or 6.7e10 for the rest of the process.
+MAX_PLAUSIBLE_WAIT = 315_360_000.0
+
+
+def oldest_due(rows: list[StagedRow]) -> StagedRow | None:
+    """The row that waited longest since it became due; None when no row has a
+    due time a wait can be measured from (MAX_PLAUSIBLE_WAIT)."""
+    floor = time.time() - MAX_PLAUSIBLE_WAIT
+    oldest: StagedRow | None = None
+    earliest = float("inf")
+    for row in rows:
+        due = row.due_epoch
+        if due is not None and floor <= due < earliest:
+            oldest, earliest = row, due
+    return oldest

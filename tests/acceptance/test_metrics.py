@@ -253,3 +253,28 @@ def test_a_fresh_drain_exports_every_series_the_dashboard_and_alerts_query(
         assert _metric(text, "drain_publish_refused_total", f'code="{code}"') == 0
     assert _metric(text, "drain_declare_refused_total", 'code="406"') == 0
     assert _metric(text, "drain_dead_jobs_rows", 'reason="expired"') == 0
+
+
+def test_a_staged_at_of_minus_infinity_or_bc_does_not_poison_the_wait_histogram(
+    db_url: str, queue: str, spawn: Any
+) -> None:
+    """Issue 36, item 4: one row staged by hand with staged_at '-infinity' (or a
+    date BC) is published, but drain_job_wait_seconds_sum was +Inf (or 6.7e10)
+    for the rest of the process. Such a row's wait is left out; the others' are
+    still observed."""
+    port = support.free_port()
+    _start(spawn, db_url, port, "leader")
+    support.wait_for(lambda: _value(port, "drain_lock_held") == 1, 30, "the lock")
+    with psycopg.connect(db_url) as conn:
+        for staged_at in ("-infinity", "0044-03-15 12:00:00+00 BC"):
+            conn.execute("INSERT INTO staged_jobs (task_name, queue, staged_at) "
+                         "VALUES ('t.odd', %s, %s)", (queue, staged_at))
+            conn.commit()
+            support.wait_for(lambda: support.staged_count(db_url) == 0, 30, "the odd row")
+    support.stage_backlog(db_url, queue, 5)
+    support.wait_for(lambda: _value(port, "drain_published_total") == 7, 30, "every row")
+    _, text = _get(port, "/metrics")
+    total = _metric(text, "drain_job_wait_seconds_sum")
+    assert total is not None and 0 <= total < 60, total
+    assert (_metric(text, "drain_job_wait_seconds_count") or 0) >= 1
+    assert len(support.drain_queue(queue)) == 7
