@@ -8,10 +8,10 @@ import socket
 from typing import Any
 
 import psycopg
-import yaml
 
 import drain
 from tests import roles, support
+from tests.deploy import common
 
 _get = support.http_get
 
@@ -206,30 +206,6 @@ def test_a_metrics_port_in_use_is_a_one_line_error(db_url: str) -> None:
 DATA_LABELLED = {"drain_backlog_group_rows"}
 
 
-def _queried_names() -> dict[str, set[str]]:
-    """Every drain_* series name the Grafana dashboard and the alert rules query:
-    {name: where}."""
-    exprs: list[tuple[str, str]] = []
-    dashboard = json.loads((support.ROOT / "deploy" / "grafana" / "drain.json").read_text())
-    stack: list[Any] = [dashboard]
-    while stack:  # every "expr" and "query" string anywhere in the dashboard
-        node = stack.pop()
-        if isinstance(node, dict):
-            exprs += [(f"dashboard {key}", v) for key, v in node.items()
-                      if key in ("expr", "query") and isinstance(v, str)]
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    alerts = yaml.safe_load((support.ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
-    exprs += [(f"alert {rule['alert']}", rule["expr"])
-              for group in alerts["groups"] for rule in group["rules"]]
-    found: dict[str, set[str]] = {}
-    for where, expr in exprs:
-        for name in re.findall(r"\bdrain_[a-z_]+", expr):
-            found.setdefault(name, set()).add(where)
-    return found
-
-
 def test_a_fresh_drain_exports_every_series_the_dashboard_and_alerts_query(
     db_url: str, spawn: Any
 ) -> None:
@@ -244,7 +220,7 @@ def test_a_fresh_drain_exports_every_series_the_dashboard_and_alerts_query(
                      "the first sample")
     _, text = _get(port, "/metrics")
     exported = set(re.findall(r"^(drain_[a-z_]+)(?:\{| )", text, re.MULTILINE))
-    queried = _queried_names()
+    queried = common.queried_metrics()
     assert len(queried) >= 20, sorted(queried)  # the reading of the files found them
     missing = {name: sorted(where) for name, where in queried.items()
                if name not in exported and name not in DATA_LABELLED}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import re
 import shutil
@@ -108,6 +109,51 @@ def metrics_port(env: Mapping[str, Any]) -> int:
 
 def load_yaml(path: Path) -> Any:
     return yaml.safe_load(path.read_text())
+
+
+#: A metric name of the drain's, as the alert rules and the dashboard's queries name them.
+METRIC = re.compile(r"\bdrain_[a-z_]+")
+
+
+def dashboard_panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every panel of the Grafana dashboard, those inside collapsed rows too."""
+    panels: list[dict[str, Any]] = []
+    for panel in dashboard["panels"]:
+        panels.append(panel)
+        panels.extend(panel.get("panels", []))  # a collapsed row keeps its panels inside
+    return panels
+
+
+def dashboard_exprs(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """(where, PromQL) for every panel query and every query variable."""
+    found = [(f"panel {p['id']} {p.get('title')!r}", t["expr"])
+             for p in dashboard_panels(dashboard) for t in p.get("targets", [])]
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            query = variable["query"]
+            query = query["query"] if isinstance(query, dict) else query
+            match = re.fullmatch(r"label_values\((.*),\s*([a-zA-Z_]\w*)\)", query)
+            assert match, f"variable {variable['name']}: {query}"
+            found.append((f"variable {variable['name']}", match.group(1)))
+    return found
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    """Every rule of deploy/prometheus/alerts.yml."""
+    groups = load_yaml(PROMETHEUS / "alerts.yml")["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+def queried_metrics() -> dict[str, set[str]]:
+    """Every drain_* series name the Grafana dashboard and the alert rules query:
+    {name: where}."""
+    exprs = dashboard_exprs(json.loads(GRAFANA_DASHBOARD.read_text()))
+    exprs += [(f"alert {rule['alert']}", rule["expr"]) for rule in alert_rules()]
+    found: dict[str, set[str]] = {}
+    for where, expr in exprs:
+        for name in METRIC.findall(expr):
+            found.setdefault(name, set()).add(where)
+    return found
 
 
 def load_yaml_documents(path: Path) -> list[Any]:

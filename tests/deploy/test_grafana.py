@@ -107,28 +107,6 @@ def dashboard() -> dict[str, Any]:
     return loaded
 
 
-def _panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
-    panels: list[dict[str, Any]] = []
-    for panel in dashboard["panels"]:
-        panels.append(panel)
-        panels.extend(panel.get("panels", []))  # a collapsed row keeps its panels inside
-    return panels
-
-
-def _exprs(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
-    """(where, PromQL) for every panel query and every query variable."""
-    found = [(f"panel {p['id']} {p.get('title')!r}", t["expr"])
-             for p in _panels(dashboard) for t in p.get("targets", [])]
-    for variable in dashboard["templating"]["list"]:
-        if variable["type"] == "query":
-            query = variable["query"]
-            query = query["query"] if isinstance(query, dict) else query
-            match = re.fullmatch(r"label_values\((.*),\s*([a-zA-Z_]\w*)\)", query)
-            assert match, f"variable {variable['name']}: {query}"
-            found.append((f"variable {variable['name']}", match.group(1)))
-    return found
-
-
 def test_it_is_a_grafana_dashboard_with_a_datasource_variable(dashboard: dict[str, Any]) -> None:
     assert dashboard["schemaVersion"] >= 36
     assert dashboard["title"] and dashboard["uid"]
@@ -145,7 +123,7 @@ def test_it_is_a_grafana_dashboard_with_a_datasource_variable(dashboard: dict[st
 
 
 def test_panel_ids_are_unique_and_panels_do_not_overlap(dashboard: dict[str, Any]) -> None:
-    panels = _panels(dashboard)
+    panels = common.dashboard_panels(dashboard)
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids)), f"duplicate panel ids: {sorted(ids)}"
     cells: dict[tuple[int, int], int] = {}
@@ -168,7 +146,7 @@ def test_every_metric_and_label_queried_is_one_the_drain_exports(
     dashboard: dict[str, Any],
 ) -> None:
     series = _series()
-    for where, expr in _exprs(dashboard):
+    for where, expr in common.dashboard_exprs(dashboard):
         selectors, grouping, others = parse_promql(expr)
         assert not others, f"{where}: unknown functions {others} in {expr}"
         assert selectors, f"{where}: no metric in {expr}"
@@ -182,7 +160,7 @@ def test_every_metric_and_label_queried_is_one_the_drain_exports(
 
 
 def test_the_dashboard_covers_every_metric(dashboard: dict[str, Any]) -> None:
-    used = {name for _, expr in _exprs(dashboard) for name in parse_promql(expr)[0]}
+    used = {name for _, expr in common.dashboard_exprs(dashboard) for name in parse_promql(expr)[0]}
     missing = {name for name, series in _series_by_family().items() if not used & set(series)}
     assert not missing, f"no panel shows {sorted(missing)}"
 
@@ -205,7 +183,7 @@ def test_promtool_parses_every_expression(dashboard: dict[str, Any], tmp_path: P
         pytest.skip("promtool not installed (Debian's prometheus package; "
                     "deploy/ensure-services.sh installs it)")
     rules = []
-    for i, (where, expr) in enumerate(_exprs(dashboard)):
+    for i, (where, expr) in enumerate(common.dashboard_exprs(dashboard)):
         concrete = (expr.replace("$__rate_interval", "1m").replace("$job", ".*")
                     .replace("$instance", ".*"))
         assert "$" not in concrete, f"{where}: an unknown Grafana variable in {expr}"

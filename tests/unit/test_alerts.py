@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from drain.daemon.metrics import Metrics
+from tests.deploy.common import METRIC, alert_rules
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = ROOT / "deploy" / "prometheus"
@@ -72,7 +73,6 @@ EXPOSED = (
     | CONTRACT_GAUGES
     | {f"{h}_{suffix}" for h in CONTRACT_HISTOGRAMS for suffix in ("bucket", "sum", "count")}
 )
-METRIC = re.compile(r"\bdrain_[a-z_]+")
 SEVERITIES = {"page", "ticket"}
 
 
@@ -166,11 +166,6 @@ def test_promtool_tests_catch_a_broken_rule(name: str, tmp_path: Path) -> None:
 
 def load(path: Path) -> Any:
     return yaml.safe_load(path.read_text("utf-8"))
-
-
-def alert_rules() -> list[dict[str, Any]]:
-    groups = load(ALERTS)["groups"]
-    return [rule for group in groups for rule in group["rules"]]
 
 
 def alert_names() -> list[str]:
