@@ -18,31 +18,23 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import subprocess
 from collections.abc import Iterator
 
 from tests import broker_lock, support
+from tests.machine import rabbitmqctl
 
 #: A fraction of the machine's memory the broker is always above.
 TINY = "0.000001"
 
 
-def _rabbitmqctl(*args: str) -> str:
-    result = subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, text=True,
-                            timeout=60, check=False, stdin=subprocess.DEVNULL)
-    if result.returncode != 0:
-        raise AssertionError(f"rabbitmqctl {' '.join(args)} failed: {result.stderr.strip()}")
-    return result.stdout.strip()
-
-
 def alarms() -> str:
     """The broker's alarms now, as Erlang terms ("[]" when none)."""
-    return _rabbitmqctl("eval", "rabbit_alarm:get_alarms().")
+    return rabbitmqctl("eval", "rabbit_alarm:get_alarms().")
 
 
 def configured_watermark() -> str:
     """The watermark of the broker's configuration (0.4 unless configured)."""
-    text = _rabbitmqctl("eval", "application:get_env(rabbit, vm_memory_high_watermark).")
+    text = rabbitmqctl("eval", "application:get_env(rabbit, vm_memory_high_watermark).")
     match = re.fullmatch(r"\{ok,\s*([0-9.]+)\}", text)
     return match.group(1) if match else "0.4"
 
@@ -51,12 +43,12 @@ def raise_alarm() -> None:
     if os.environ.get("PYTEST_CURRENT_TEST") and not broker_lock.holds_exclusive():
         raise AssertionError("a test that raises the broker's memory alarm must ask for the "
                              "broker_alarm fixture: it keeps every other broker test out")
-    _rabbitmqctl("set_vm_memory_high_watermark", TINY)
+    rabbitmqctl("set_vm_memory_high_watermark", TINY)
     support.wait_for(lambda: "memory" in alarms(), 30, "the broker's memory alarm")
 
 
 def clear_alarm() -> None:
-    _rabbitmqctl("set_vm_memory_high_watermark", configured_watermark())
+    rabbitmqctl("set_vm_memory_high_watermark", configured_watermark())
     support.wait_for(lambda: "memory" not in alarms(), 30, "the memory alarm to clear")
 
 

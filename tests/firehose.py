@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -23,20 +22,13 @@ import pika
 
 from drain.settings.urls import broker_parameters
 from tests import support
+from tests.machine import rabbitmqctl
 
 CAPTURE = "firehose_capture"
 CATCH_ALL = "firehose_catch_all"
 
 #: One traced publish: (exchange, routing keys, properties with their headers, body).
 Published = tuple[str, list[str], dict[str, Any], bytes]
-
-
-def rabbitmqctl(*args: str) -> str:
-    result = subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, text=True,
-                            timeout=60, check=False, stdin=subprocess.DEVNULL)
-    if result.returncode != 0:
-        raise AssertionError(f"rabbitmqctl {' '.join(args)} failed: {result.stderr.strip()}")
-    return result.stdout.strip()
 
 
 def url(vhost: str) -> str:

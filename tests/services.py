@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -43,7 +41,7 @@ from typing import Any
 
 import pytest
 
-from tests import pg_server
+from tests import machine, pg_server
 
 #: The run's cluster and vhost are named after this (and the pid of the run).
 PREFIX = "drain_tests"
@@ -58,6 +56,8 @@ SETTINGS = (
 )
 
 _TESTS = Path(__file__).resolve().parent
+#: The cluster's data directory in the run's directory.
+DATA = "main"
 
 
 def pytest_load_initial_conftests(early_config: pytest.Config, parser: Any,
@@ -65,9 +65,12 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: Any,
     if _unit_only(args):
         return
     if not os.environ.get("DRAIN_TEST_ADMIN_URL"):
+        started = time.monotonic()
         cluster = Cluster.create()
         early_config.add_cleanup(cluster.remove)
         os.environ["DRAIN_TEST_ADMIN_URL"] = cluster.server.url()
+        print(f"[services] a Postgres cluster for this run on 127.0.0.1:{cluster.server.port} "
+              f"({cluster.root}), ready in {time.monotonic() - started:.1f}s", flush=True)
     if not os.environ.get("DRAIN_TEST_BROKER_URL"):
         vhost = Vhost.create()
         early_config.add_cleanup(vhost.remove)
@@ -96,45 +99,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _free_port() -> int:
-    """A port nothing listens on, below the kernel's range for connections' local ports."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    while True:
-        port = random.randrange(10000, low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-
-
 class Cluster:
     """The run's Postgres cluster: ``<tmp>/drain_tests_<pid>_<hex>/main``."""
 
     def __init__(self, root: Path, port: int) -> None:
         self.root = root
-        self.server = pg_server.Server("main", root, port)
+        self.server = pg_server.Server(DATA, root, port)
 
     @classmethod
     def create(cls) -> Cluster:
         cls.remove_stale()
-        started = time.monotonic()
         root = Path(tempfile.mkdtemp(prefix=f"{PREFIX}_{os.getpid()}_",
                                      dir=tempfile.gettempdir()))
         pg_server.make_root(root)
-        cluster = cls(root, _free_port())
+        cluster = cls(root, machine.free_port())
         try:
             pg_server.initdb(cluster.server.data, *SETTINGS)
             cluster.start()
         except BaseException:
             cluster.remove()
             raise
-        print(f"[services] a Postgres cluster for this run on 127.0.0.1:{cluster.server.port} "
-              f"({root}), ready in {time.monotonic() - started:.1f}s", flush=True)
         return cluster
 
     def start(self) -> None:
@@ -145,7 +129,7 @@ class Cluster:
             except RuntimeError:
                 if "could not bind" not in self.server.log_tail():
                     raise
-                self.server.port = _free_port()
+                self.server.port = machine.free_port()
             else:
                 return
         raise RuntimeError(f"no free port for the run's Postgres: {self.server.log_tail()}")
@@ -161,20 +145,10 @@ class Cluster:
             match = re.fullmatch(rf"{PREFIX}_(\d+)_\w+", root.name)
             if not match or _alive(int(match.group(1))) or not root.is_dir():
                 continue
-            stale = cls(root, 0)
-            pid_file = stale.server.data / "postmaster.pid"
             with contextlib.suppress(OSError, ValueError, IndexError):
-                pid = int(pid_file.read_text().split()[0])
+                pid = int((root / DATA / "postmaster.pid").read_text().split()[0])
                 os.kill(pid, signal.SIGKILL)  # immediate: it is thrown away
             shutil.rmtree(root, ignore_errors=True)
-
-
-def rabbitmqctl(*args: str) -> str:
-    done = subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, text=True,
-                          timeout=60, check=False, stdin=subprocess.DEVNULL)
-    if done.returncode != 0:
-        raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {done.stderr.strip()}")
-    return done.stdout
 
 
 class Vhost:
@@ -189,16 +163,16 @@ class Vhost:
         if shutil.which("rabbitmqctl") is None:
             raise RuntimeError("rabbitmqctl not found: the tests make a RabbitMQ vhost of "
                                "their own (or set DRAIN_TEST_BROKER_URL to one)")
-        names = rabbitmqctl("list_vhosts", "name").split()
+        names = machine.rabbitmqctl("list_vhosts", "name").split()
         for name in names:  # left by runs whose pytest process is gone
             match = re.fullmatch(rf"{PREFIX}_(\d+)_\w+", name)
             if match and not _alive(int(match.group(1))):
                 with contextlib.suppress(RuntimeError):
-                    rabbitmqctl("delete_vhost", name)
+                    machine.rabbitmqctl("delete_vhost", name)
         vhost = cls(f"{PREFIX}_{os.getpid()}_{uuid.uuid4().hex[:8]}")
-        rabbitmqctl("add_vhost", vhost.name)
+        machine.rabbitmqctl("add_vhost", vhost.name)
         try:
-            rabbitmqctl("set_permissions", "-p", vhost.name, "guest", ".*", ".*", ".*")
+            machine.rabbitmqctl("set_permissions", "-p", vhost.name, "guest", ".*", ".*", ".*")
         except BaseException:
             vhost.remove()
             raise
@@ -206,4 +180,4 @@ class Vhost:
 
     def remove(self) -> None:
         with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
-            rabbitmqctl("delete_vhost", self.name)
+            machine.rabbitmqctl("delete_vhost", self.name)

@@ -11,7 +11,6 @@ import collections
 import contextlib
 import json
 import os
-import random
 import shutil
 import signal
 import socket
@@ -35,9 +34,11 @@ import drain
 from drain.postgres import sql, store
 from drain.postgres.wakeup import WAKE_CLASS
 from drain.settings.urls import broker_parameters
-from tests import roles
+from tests import machine, roles
 
 ROOT = Path(__file__).resolve().parent.parent
+#: A port for a server a test starts (tests/machine.py).
+free_port = machine.free_port
 #: The run's Postgres (tests/services.py makes a cluster for each run) and RabbitMQ
 #: (a vhost of the run's own).
 ADMIN_URL = roles.ADMIN_URL
@@ -112,48 +113,6 @@ def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
-
-
-_PORTS = random.SystemRandom()
-#: The ports free_port() handed out in this process.
-_HANDED_OUT: set[int] = set()
-#: free_port()'s ports start here and end below the ephemeral range.
-_FIRST_PORT = 10000
-
-
-def _ephemeral_low() -> int:
-    """The first port of the range the kernel picks a connection's local port from."""
-    try:
-        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
-        return int(text.split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A port nothing listens on now, for a server a test is about to start.
-
-    Drawn at random below the kernel's ephemeral range, so that no connection
-    made meanwhile takes it as its local port (a ``bind`` to port 0 draws from
-    that range, and only odd ports); never one handed out before in this process
-    (two calls before either server binds would otherwise get the same one);
-    under pytest-xdist, only ports whose remainder by the worker count is this
-    worker's number, so that two workers never get the same one."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    index = int(worker.removeprefix("gw")) % count if worker.startswith("gw") else 0
-    slots = (_ephemeral_low() - _FIRST_PORT) // count
-    while True:
-        port = _FIRST_PORT + _PORTS.randrange(slots) * count + index
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
 
 
 # -- broker ------------------------------------------------------------------------

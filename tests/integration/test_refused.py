@@ -14,7 +14,6 @@ costs only itself; the connection is kept and its next batches flow.
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -34,6 +33,7 @@ from drain.settings.config import Settings
 from drain.settings.urls import broker_parameters
 from tests import roles, support
 from tests.integration.conftest import Running
+from tests.machine import rabbitmqctl
 
 BUILDER = message.Builder(origin="gen1@test", reply_to=str(uuid.uuid4()))
 
@@ -120,10 +120,6 @@ def test_a_message_over_the_brokers_max_size_costs_only_itself(queue: str) -> No
     assert "larger than configured max size" in result.refused[0][1].text
 
 
-def _rabbitmqctl(*args: str) -> None:
-    subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True, timeout=60)
-
-
 def _logs_in(url: str) -> bool:
     try:
         pika.BlockingConnection(broker_parameters(url)).close()
@@ -137,15 +133,15 @@ def _user(write: str) -> Iterator[tuple[str, str]]:
     """A broker user that may configure and read anything, and write where ``write``
     matches: (its name, its URL)."""
     user, password = support.unique("drain_refused_u"), uuid.uuid4().hex
-    _rabbitmqctl("add_user", user, password)
+    rabbitmqctl("add_user", user, password)
     try:
-        _rabbitmqctl("set_permissions", "-p", support.BROKER_VHOST, user, ".*", write, ".*")
+        rabbitmqctl("set_permissions", "-p", support.BROKER_VHOST, user, ".*", write, ".*")
         url = support.broker_url(user=user, password=password)
         support.wait_for(lambda: _logs_in(url), 30, f"{user} to be let in")
         yield user, url
     finally:
-        subprocess.run(["rabbitmqctl", "-q", "delete_user", user], check=False,
-                       capture_output=True, timeout=60)
+        with contextlib.suppress(RuntimeError):
+            rabbitmqctl("delete_user", user)
 
 
 @pytest.fixture
@@ -231,7 +227,7 @@ def test_a_drain_without_write_permission_holds_its_rows_and_says_so(
             assert running.drain.pipeline.paused[queue][1] <= 3
             assert metrics.get_sample_value("drain_dead_lettered_total",
                                             {"reason": "refused"}) == 0
-            _rabbitmqctl("set_permissions", "-p", support.BROKER_VHOST, user, ".*", ".*", ".*")
+            rabbitmqctl("set_permissions", "-p", support.BROKER_VHOST, user, ".*", ".*", ".*")
             support.wait_for(lambda: support.staged_count(db_url) == 0, 60,
                              "the rows once the drain may write")
             assert running.drain.metrics.registry.get_sample_value(

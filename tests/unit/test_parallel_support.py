@@ -1,5 +1,5 @@
 """What keeps the suite's pytest-xdist workers apart: the broker lock
-(tests/broker_lock.py) and free_port's share of the ports (tests/support.py)."""
+(tests/broker_lock.py) and free_port's share of the ports (tests/machine.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import broker_lock, support
+from tests import broker_lock, machine, support
 
 pytest_plugins = ["pytester"]
 
@@ -77,7 +77,7 @@ def test_xdist_workers_get_disjoint_ports(monkeypatch: pytest.MonkeyPatch) -> No
         ports = [support.free_port() for _ in range(20)]
         assert {p % 4 for p in ports} == {worker}
         assert len(set(ports)) == 20
-        assert all(p < support._ephemeral_low() for p in ports)
+        assert all(p < machine.ephemeral_low() for p in ports)
 
 
 def test_a_files_tests_stay_on_one_worker_under_loadgroup(pytester: pytest.Pytester) -> None:
