@@ -21,18 +21,16 @@ machine's has not.
 from __future__ import annotations
 
 import subprocess
-import tempfile
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import psycopg
 import pytest
 
 from drain.errors import RolesShared
 from drain.postgres import store
-from tests import pg_server, support
+from tests import pg_server, roles, services, support
 
 #: Rounds of concurrent in-process migrates (the CLI's round is one more).
 ROUNDS = 10
@@ -42,16 +40,19 @@ AT_ONCE = 4
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[pg_server.Server]:
-    root = pg_server.make_root(Path(tempfile.mkdtemp(prefix="drain-migrate-")))
-    server = pg_server.Server("fresh", root, support.free_port())
+    """A cluster of its own, made as the run's is (tests/services.py)."""
+    made = services.Cluster.create()
     try:
-        pg_server.initdb(server.data, "fsync = off", "max_connections = 40",
-                         "shared_buffers = 16MB")
-        server.start()
-        yield server
+        yield made.server
     finally:
-        server.kill()
-        subprocess.run(["rm", "-rf", str(root)], check=False)
+        made.remove()
+
+
+def _cli_migrates(urls: list[str]) -> list[subprocess.CompletedProcess[str]]:
+    """``drain migrate`` of each URL, as that URL's user, all at once."""
+    with ThreadPoolExecutor(len(urls)) as pool:
+        return list(pool.map(lambda url: support.run_cli(
+            url, "migrate", env=support.drain_env(url, roles.ADMIN), timeout=90), urls))
 
 
 def _databases(server: pg_server.Server, count: int, owner: str = "postgres") -> list[str]:
@@ -100,14 +101,9 @@ def test_the_cli_migrates_of_new_databases_at_once_all_succeed(
     cluster: pg_server.Server,
 ) -> None:
     names = _databases(cluster, AT_ONCE)
-    procs = [subprocess.Popen(support.drain_argv("migrate", "--database-url", cluster.url(n)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              cwd=support.ROOT, env=support.drain_env(cluster.url(n), "admin"))
-             for n in names]
-    for name, proc in zip(names, procs, strict=True):
-        _, err = proc.communicate(timeout=90)
-        assert proc.returncode == 0, err
-        assert f"its roles: {name}_drain_stager, {name}_drain_runner" in err
+    for name, ran in zip(names, _cli_migrates([cluster.url(n) for n in names]), strict=True):
+        assert ran.returncode == 0, ran.stderr
+        assert f"its roles: {name}_drain_stager, {name}_drain_runner" in ran.stderr
 
 
 def test_migrates_at_once_with_one_prefix_give_it_to_one_and_refuse_the_others(
@@ -129,11 +125,7 @@ def test_a_real_error_fails_loudly_beside_migrates_that_succeed(
     names = _databases(cluster, AT_ONCE)
     urls = [cluster.url(n) for n in names]
     urls[0] = urls[0].replace("postgres@", "mig_powerless@")
-    procs = [subprocess.Popen(support.drain_argv("migrate", "--database-url", url),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              cwd=support.ROOT, env=support.drain_env(url, "admin"))
-             for url in urls]
-    results = [(p.wait(90), p.communicate()[1]) for p in procs]
+    results = [(ran.returncode, ran.stderr) for ran in _cli_migrates(urls)]
     code, err = results[0]
     assert code == 5, err
     [line] = err.strip().splitlines()

@@ -32,7 +32,7 @@ import pytest
 
 import drain
 from drain import consumer
-from tests import support
+from tests import roles, support
 from tests.docs import blocks
 
 #: What each kind of login may do in its own database: {probe: allowed kinds}.
@@ -65,33 +65,46 @@ PERMISSION_DENIED = 5
 
 @dataclass
 class Database:
-    """One application's database, its owner and its logins."""
+    """One application's database, its owner (no superuser) and its logins, each
+    named after it."""
 
     name: str
-    suffix: str
-    queue: str
-    logins: dict[str, str] = field(default_factory=dict)
+    #: The kinds of login it has (their names: ``<kind>_<database name>``).
+    kinds: tuple[str, ...] = KINDS
+    queue: str = field(default_factory=lambda: support.unique("shared"))
 
     @property
     def owner(self) -> str:
-        return f"owner_{self.suffix}"
+        return f"owner_{self.name}"
+
+    @property
+    def logins(self) -> dict[str, str]:
+        return {kind: f"{kind}_{self.name}" for kind in self.kinds}
 
     def url(self, user: str) -> str:
-        return support.database_url(self.name).replace("postgres@", f"{user}@", 1)
+        return roles.url(support.database_url(self.name), user)
 
     def login_url(self, kind: str) -> str:
         return self.url(self.logins[kind])
 
+    def create(self) -> None:
+        with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
+            admin.execute(f'CREATE ROLE "{self.owner}" LOGIN CREATEROLE')
+            admin.execute(f'CREATE DATABASE "{self.name}" OWNER "{self.owner}"')
 
-def _admin(sql: str) -> None:
-    with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
-        admin.execute(sql)
+    def drop(self) -> None:
+        """The database, its roles (support.drop_roles_of), logins and owner; its queue."""
+        with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
+            support.drop_roles_of(admin, self.name)
+            for role in (*self.logins.values(), self.owner):
+                admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+        support.delete_queue(self.queue)
 
 
 def _cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = support.drain_env(url, "admin")  # the URL's user as it is
-    return subprocess.run(support.drain_argv(*args), env=env, capture_output=True, text=True,
-                          timeout=90, check=False, stdin=subprocess.DEVNULL, cwd=support.ROOT)
+    """``drain ARGS`` as the URL's user."""
+    return support.run_cli(url, *args, env=support.drain_env(url, roles.ADMIN), timeout=90)
 
 
 def _recipe(db: Database, prefix: str) -> str:
@@ -107,13 +120,10 @@ def _recipe(db: Database, prefix: str) -> str:
 def two_databases() -> Iterator[tuple[Database, Database]]:
     """Databases ``a_<hex>`` and ``b_<hex>``, migrated, with the recipe's logins."""
     suffix = uuid.uuid4().hex[:8]
-    dbs = tuple(Database(f"{x}_{suffix}", f"{x}_{suffix}", support.unique(f"shared_{x}"))
-                for x in "ab")
+    dbs = (Database(f"a_{suffix}"), Database(f"b_{suffix}"))
     try:
         for db in dbs:
-            db.logins = {kind: f"{kind}_{db.suffix}" for kind in KINDS}
-            _admin(f'CREATE ROLE "{db.owner}" LOGIN CREATEROLE')
-            _admin(f'CREATE DATABASE "{db.name}" OWNER "{db.owner}"')
+            db.create()
         # Both migrate at once, as two deploy jobs may.
         with ThreadPoolExecutor(2) as pool:
             done = list(pool.map(lambda db: _cli(db.url(db.owner), "migrate"), dbs))
@@ -123,15 +133,10 @@ def two_databases() -> Iterator[tuple[Database, Database]]:
             assert f"its roles: {prefix}stager, {prefix}runner" in ran.stderr, ran.stderr
             with psycopg.connect(db.url(db.owner), autocommit=True) as owner:
                 owner.execute(_recipe(db, prefix))
-        yield dbs  # type: ignore[misc]
+        yield dbs
     finally:
         for db in dbs:
-            _admin(f'DROP DATABASE IF EXISTS "{db.name}" WITH (FORCE)')
-            for role in [*db.logins.values(),
-                         *(f"{db.name}_drain_{k}" for k in ("stager", "runner", "operator",
-                                                            "consumer")), db.owner]:
-                _admin(f'DROP ROLE IF EXISTS "{role}"')
-            support.delete_queue(db.queue)
+            db.drop()
 
 
 def _sql_outcome(url: str, statement: str) -> str:
@@ -155,9 +160,9 @@ def test_each_login_acts_in_its_own_database_only(
             for where, db in (("own", home), ("other", other)):
                 url = db.url(home.logins[kind])
                 for probe, (statement, allowed) in SQL_PROBES.items():
-                    seen[(home.suffix, kind, where, probe)] = _sql_outcome(url, statement)
+                    seen[(home.name, kind, where, probe)] = _sql_outcome(url, statement)
                     want = "ok" if where == "own" and kind in allowed else "InsufficientPrivilege"
-                    assert seen[(home.suffix, kind, where, probe)] == want, (
+                    assert seen[(home.name, kind, where, probe)] == want, (
                         f"{kind} of {home.name} in {db.name}: {probe}")
     assert len(seen) == 2 * len(KINDS) * 2 * len(SQL_PROBES)
 
@@ -233,14 +238,12 @@ def legacy_pair() -> Iterator[tuple[Database, Database]]:
     """Two databases migrated by the older schema, sharing drain_*, each with an
     application login granted drain_stager (the old recipe)."""
     suffix = uuid.uuid4().hex[:8]
-    dbs = (Database(f"old1_{suffix}", f"old1_{suffix}", support.unique("legacy1")),
-           Database(f"old2_{suffix}", f"old2_{suffix}", support.unique("legacy2")))
+    dbs = (Database(f"old1_{suffix}", ("app", "drain")),
+           Database(f"old2_{suffix}", ("app", "drain")))
     schema = _legacy_schema()
     try:
         for db in dbs:
-            db.logins = {"app": f"app_{db.suffix}", "drain": f"drain_{db.suffix}"}
-            _admin(f'CREATE ROLE "{db.owner}" LOGIN CREATEROLE')
-            _admin(f'CREATE DATABASE "{db.name}" OWNER "{db.owner}"')
+            db.create()
             with psycopg.connect(db.url(db.owner), autocommit=True) as owner:
                 owner.execute(schema)
                 owner.execute(f'CREATE ROLE "{db.logins["app"]}" LOGIN; '
@@ -250,12 +253,9 @@ def legacy_pair() -> Iterator[tuple[Database, Database]]:
         yield dbs
     finally:
         for db in dbs:
-            _admin(f'DROP DATABASE IF EXISTS "{db.name}" WITH (FORCE)')
-            for role in [*db.logins.values(), *(f"{db.name}_drain_{k}" for k in (
-                    "stager", "runner", "operator", "consumer")), db.owner]:
-                _admin(f'DROP ROLE IF EXISTS "{role}"')
-        for role in LEGACY_ROLES:
-            _admin(f'DROP ROLE IF EXISTS "{role}"')
+            db.drop()
+        with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
+            admin.execute("DROP ROLE IF EXISTS " + ", ".join(LEGACY_ROLES))
 
 
 def test_an_upgrade_of_databases_sharing_the_old_roles_is_refused_until_one_moves(
