@@ -11,6 +11,8 @@ import collections
 import contextlib
 import json
 import os
+import pty
+import select
 import shutil
 import signal
 import socket
@@ -52,11 +54,9 @@ BROKER_VHOST_PATH = urlsplit(BROKER_URL).path.removeprefix("/")
 BROKER_VHOST = unquote(BROKER_VHOST_PATH) or "/"
 
 
-def database_url(name: str, port: int | None = None) -> str:
-    """The superuser's URL of database ``name`` on the run's cluster (through
-    ``port`` instead of the cluster's, e.g. a proxy's)."""
-    url = ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    return url if port is None else url.replace(f":{PG_PORT}/", f":{port}/", 1)
+def database_url(name: str) -> str:
+    """The superuser's URL of database ``name`` on the run's cluster."""
+    return ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
 
 
 def broker_url(port: int | None = None, *, user: str = "guest", password: str = "guest") -> str:
@@ -89,16 +89,17 @@ def database(name: str, template: str | None = None) -> Iterator[str]:
     finally:
         with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-            drop_roles_of(admin, name)
+            if template is None:  # a copy has its template's roles, none of its own
+                drop_roles_of(admin, name)
 
 
 def drop_roles_of(admin: psycopg.Connection[Any], name: str) -> None:
     """The group roles a migrate of database ``name`` made (``<name>_drain_*``), once
-    the database is gone: roles outlive it. Those still granted something
+    the database is gone: roles outlive it. Roles still granted something
     elsewhere (a template's, while its copies live) stay."""
-    for role in store.role_names(f"{name}_drain_"):
-        with contextlib.suppress(psycopg.errors.DependentObjectsStillExist):
-            admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+    with contextlib.suppress(psycopg.errors.DependentObjectsStillExist):
+        admin.execute("DROP ROLE IF EXISTS " + ", ".join(
+            f'"{role}"' for role in store.role_names(f"{name}_drain_")))
 
 
 def wait_for(
@@ -349,6 +350,46 @@ class Process:
                 self.kill(signal.SIGKILL)
                 self.proc.wait(10)
         self._log.close()
+
+
+class Terminal:
+    """A subprocess whose stdout and stderr (and stdin, with ``stdin``) are a
+    terminal, as an operator's are: it asks, and redraws."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], *, stdin: bool = True) -> None:
+        self.controller, terminal = pty.openpty()
+        self.proc = subprocess.Popen(
+            argv, env=env, stdin=terminal if stdin else subprocess.DEVNULL, stdout=terminal,
+            stderr=terminal, cwd=ROOT, start_new_session=True)
+        os.close(terminal)
+        self.seen = b""
+
+    def read(self) -> str:
+        """Everything it wrote so far (reads what is there, never waits)."""
+        while select.select([self.controller], [], [], 0)[0]:
+            try:
+                chunk = os.read(self.controller, 65536)
+            except OSError:  # the other side closed
+                break
+            if not chunk:
+                break
+            self.seen += chunk
+        return self.seen.decode(errors="replace")
+
+    def answer(self, text: str) -> None:
+        os.write(self.controller, text.encode() + b"\n")
+
+    def finish(self, timeout: float = 60) -> tuple[int, str]:
+        """Wait for it to exit: its exit code and everything it wrote."""
+        code = self.proc.wait(timeout)
+        return code, self.read()
+
+    def close(self) -> None:
+        """Teardown: kill it if it still runs, and close the terminal."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        os.close(self.controller)
 
 
 def http_get(port: int, path: str) -> tuple[int, str]:

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import pty
-import select
-import subprocess
 import uuid
 from typing import Any
 
@@ -269,37 +265,9 @@ def test_infinite_and_bc_times_are_read_by_every_command(db_url: str) -> None:
     assert done.returncode == 0 and "requeued 1 job(s)" in done.stdout, done
 
 
-class _Terminal:
-    """``drain ARGS`` with a terminal on stdin and stdout (so it asks), as an operator."""
-
-    def __init__(self, db_url: str, *args: str) -> None:
-        self.controller, terminal = pty.openpty()
-        self.proc = subprocess.Popen(
-            support.drain_argv(*args), env=support.drain_env(db_url, roles.OPERATOR),
-            stdin=terminal, stdout=terminal, stderr=terminal, cwd=support.ROOT,
-            start_new_session=True)
-        os.close(terminal)
-        self.seen = b""
-
-    def read(self) -> str:
-        while select.select([self.controller], [], [], 0)[0]:
-            try:
-                chunk = os.read(self.controller, 65536)
-            except OSError:  # the other side closed
-                break
-            if not chunk:
-                break
-            self.seen += chunk
-        return self.seen.decode(errors="replace")
-
-    def answer(self, text: str) -> None:
-        os.write(self.controller, text.encode() + b"\n")
-
-    def finish(self) -> tuple[int, str]:
-        code = self.proc.wait(60)
-        self.read()  # what it wrote before it exited
-        os.close(self.controller)
-        return code, self.seen.decode(errors="replace")
+def _terminal(db_url: str, *args: str) -> support.Terminal:
+    """``drain ARGS`` at a terminal (so it asks), as the operator."""
+    return support.Terminal(support.drain_argv(*args), support.drain_env(db_url, roles.OPERATOR))
 
 
 def _bury_more(db_url: str, count: int) -> None:
@@ -328,7 +296,7 @@ def test_what_the_operator_confirms_is_exactly_what_is_moved(db_url: str, action
     task_ids = _bury(db_url)
     args = ["dead", action, "--task", "mail.send"] + (
         ["--older-than", "0s"] if action == "purge" else [])
-    term = _Terminal(db_url, *args)
+    term = _terminal(db_url, *args)
     try:
         support.wait_for(lambda: "them? [y/N]" in term.read(), 30, "the question")
         assert "2 dead job(s) match (task=mail.send" in term.read()
@@ -337,7 +305,7 @@ def test_what_the_operator_confirms_is_exactly_what_is_moved(db_url: str, action
         term.answer("y")
         code, out = term.finish()
     finally:
-        term.proc.kill()
+        term.close()
     assert code == 0, out
     assert ("requeued 2 job(s)" if action == "requeue" else "purged 2 dead job(s)") in out
     with psycopg.connect(db_url) as conn:
@@ -352,7 +320,7 @@ def test_shown_jobs_gone_meanwhile_move_nothing_and_say_so(db_url: str) -> None:
     """One of the two shown was purged by someone else while the question was open:
     the requeue moves neither, in one line, and exits non-zero."""
     _bury(db_url)
-    term = _Terminal(db_url, "dead", "requeue", "--task", "mail.send")
+    term = _terminal(db_url, "dead", "requeue", "--task", "mail.send")
     try:
         support.wait_for(lambda: "them? [y/N]" in term.read(), 30, "the question")
         with psycopg.connect(db_url) as conn:
@@ -360,7 +328,7 @@ def test_shown_jobs_gone_meanwhile_move_nothing_and_say_so(db_url: str) -> None:
         term.answer("y")
         code, out = term.finish()
     finally:
-        term.proc.kill()
+        term.close()
     assert code == 1, out
     assert ("drain: error: 2 dead job(s) were shown, 1 match now (moved or removed "
             "meanwhile): nothing was requeued") in out

@@ -51,17 +51,13 @@ def _secret_db_url(db_url: str, port: int = support.PG_PORT) -> str:
     return f"postgresql://{roles.RUNNER}:{DB_SECRET}@127.0.0.1:{port}/{dbname}"
 
 
-def _broker_url(port: int = support.BROKER_PORT) -> str:
-    return support.broker_url(port)
-
-
 def _run_drain(
     spawn: Any, db_url: str, *flags: str, db_port: int = support.PG_PORT,
     broker_port: int = support.BROKER_PORT,
     name: str = "drain", verbose: bool = False,
 ) -> support.Process:
     env = support.drain_env(_secret_db_url(db_url, db_port),
-                            DRAIN_BROKER_URL=_broker_url(broker_port))
+                            DRAIN_BROKER_URL=support.broker_url(broker_port))
     argv = support.drain_argv(*(["-v"] if verbose else []), "run", "--poll-interval", "0.2",
                               *flags)
     proc: support.Process = spawn(argv, env, name)
@@ -733,8 +729,8 @@ def test_passwords_never_reach_the_logs_even_verbose(
         proc.wait_for_output("retrying with backoff", timeout=30)
         pg.start()
         proc.wait_for_output("active: took the drain lock", timeout=60)
-        shown = _broker_url(amqp.port).replace("guest@", "***@")
-        proc.wait_for_output(f"broker at {shown} unreachable", timeout=60)
+        proc.wait_for_output(f"broker at {support.broker_url(amqp.port, password='***')} "
+                             "unreachable", timeout=60)
         amqp.start()
         proc.wait_for_output("broker connected", timeout=60)
         staged = support.stage_backlog(db_url, queue, 3_000)
@@ -753,7 +749,7 @@ def test_passwords_never_reach_the_logs_even_verbose(
     out = proc.output()
     assert DB_SECRET not in out and "guest:guest" not in out
     assert f"postgresql://{roles.RUNNER}:***@127.0.0.1:{pg.port}/" in out
-    assert _broker_url(amqp.port).replace("guest@", "***@") in out
+    assert support.broker_url(amqp.port, password="***") in out
     assert "DEBUG" in out, "ran without debug logging"
     # Nor in another spelling (URL-encoded, libpq key=value, a bytes repr).
     for spelling in ("s3cr3t%2Ddb", "password=s3cr3t", "password='s3cr3t", "b's3cr3t"):

@@ -5,10 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import pty
-import select
 import signal
-import subprocess
 from typing import Any
 
 import psycopg
@@ -137,36 +134,16 @@ def test_status_watch_rejects_a_bad_interval(db_url: str) -> None:
 
 def test_status_watch_redraws_on_a_terminal(db_url: str) -> None:
     support.stage_backlog(db_url, "celery", 1)
-    controller, terminal = pty.openpty()
-    proc = subprocess.Popen(support.drain_argv("status", "--watch", "0.2"),
-                            env=support.drain_env(db_url), stdin=subprocess.DEVNULL,
-                            stdout=terminal, stderr=terminal, cwd=support.ROOT,
-                            start_new_session=True)
-    os.close(terminal)
-    seen = b""
-
-    def redrawn_twice() -> bool:
-        nonlocal seen
-        while select.select([controller], [], [], 0)[0]:
-            try:
-                chunk = os.read(controller, 65536)
-            except OSError:  # the other side closed
-                break
-            if not chunk:
-                break
-            seen += chunk
-        return seen.count(b"\x1b[H\x1b[J") >= 2
-
+    term = support.Terminal(support.drain_argv("status", "--watch", "0.2"),
+                            support.drain_env(db_url), stdin=False)
     try:
-        support.wait_for(redrawn_twice, 30, "two redraws on the terminal")
-        assert b"backlog: 1 staged job(s)" in seen
-        os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(10) == 0
+        support.wait_for(lambda: term.read().count("\x1b[H\x1b[J") >= 2, 30,
+                         "two redraws on the terminal")
+        assert "backlog: 1 staged job(s)" in term.read()
+        os.killpg(term.proc.pid, signal.SIGINT)
+        assert term.proc.wait(10) == 0
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        os.close(controller)
+        term.close()
 
 
 def test_status_watch_keeps_going_while_the_database_is_unreachable(spawn: Any) -> None:
