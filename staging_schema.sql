@@ -522,9 +522,10 @@ DECLARE
     kinds    constant text[] := ARRAY['stager', 'runner', 'operator', 'consumer'];
     given    text := nullif(current_setting('drain.role_prefix', true), '');
     recorded text;
-    legacy   boolean;
+    held     text;
     prefix   text;
     base     text;
+    hashed   text;
     derived  text;
     old      text;
     kind     text;
@@ -532,39 +533,30 @@ DECLARE
     shared   text;
 BEGIN
     SELECT value INTO recorded FROM drain_settings WHERE key = 'role_prefix';
-    -- Granted by an older drain's migrate, which named the roles drain_*.
-    SELECT EXISTS (
+    -- The prefix this database's grants have now: the recorded one, else drain_
+    -- when an older drain's migrate, which named the roles drain_*, granted them.
+    held := recorded;
+    IF held IS NULL AND EXISTS (
         SELECT FROM pg_class c, aclexplode(c.relacl) a, pg_roles r
         WHERE c.oid IN ('staged_jobs'::regclass, 'drain_processed'::regclass)
           AND r.oid = a.grantee
           AND r.rolname IN ('drain_stager', 'drain_runner', 'drain_operator', 'drain_consumer'))
-    INTO legacy;
+    THEN
+        held := 'drain_';
+    END IF;
     base := lower(regexp_replace(current_database(), '[^A-Za-z0-9_]', '_', 'g'));
     IF base !~ '^[a-z_]' THEN
         base := 'db_' || base;
     END IF;
-    IF length(base) > 48 THEN
-        base := left(base, 41) || '_' || left(md5(current_database()), 6);
-    END IF;
-    derived := base || '_drain_';
-    IF given IS NOT NULL THEN
-        prefix := given;
-    ELSIF recorded IS NOT NULL THEN
-        prefix := recorded;
-    ELSIF legacy THEN
-        prefix := 'drain_';
-    ELSE
-        prefix := derived;
-    END IF;
+    hashed := left(base, 41) || '_' || left(md5(current_database()), 6);
+    derived := CASE WHEN length(base) > 48 THEN hashed ELSE base END || '_drain_';
+    prefix := coalesce(given, held, derived);
     IF prefix !~ '^[a-z_][a-z0-9_]*$' OR length(prefix) > 55 THEN
         RAISE EXCEPTION 'drain: role prefix "%" is not a lowercase name of at most 55 letters, digits and _', prefix
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    -- The prefix this database's grants have now, if it is another.
-    old := coalesce(recorded, CASE WHEN legacy THEN 'drain_' END);
-    IF old = prefix THEN
-        old := NULL;
-    END IF;
+    -- Moving to another prefix: the old one's roles lose their grants here (below).
+    old := nullif(held, prefix);
 
     FOREACH kind IN ARRAY kinds LOOP
         role := prefix || kind;
@@ -603,8 +595,7 @@ BEGIN
                                  'there too', prefix, shared, current_database()),
                 HINT = format('give this database roles of its own: drain migrate --role-prefix %s',
                               CASE WHEN derived <> prefix THEN derived
-                                   ELSE left(base, 41) || '_' || left(md5(current_database()), 6)
-                                        || '_drain_' END);
+                                   ELSE hashed || '_drain_' END);
         END IF;
         INSERT INTO drain_settings (key, value) VALUES ('role_prefix', prefix)
         ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value;
