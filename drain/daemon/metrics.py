@@ -167,14 +167,13 @@ class Metrics:
         # not listed gets its series when it first happens.
         for reason in DEAD_REASONS:
             self.dead_lettered.labels(reason)
+            self.dead_jobs.labels(reason)
         for target in ("database", "broker"):
             self.reconnects.labels(target)
         for code in PUBLISH_REFUSED_CODES:
             self.publish_refused.labels(code)
         for code in DECLARE_REFUSED_CODES:
             self.declare_refused.labels(code)
-        for reason in DEAD_REASONS:
-            self.dead_jobs.labels(reason)
         self._lock_since: float | None = None
         self.lock_held_seconds.set_function(
             lambda: time.time() - self._lock_since if self._lock_since is not None else 0.0)

@@ -85,11 +85,7 @@ class Filters:
 
 
 def count(conn: psycopg.Connection[Any], filters: Filters) -> int:
-    where, params = filters.where()
-    row = conn.execute(
-        sql.SQL("SELECT count(*) FROM dead_jobs WHERE {}").format(where), params
-    ).fetchone()
-    return int(row[0]) if row else 0
+    return shown(conn, filters)[0]
 
 
 def shown(conn: psycopg.Connection[Any], filters: Filters) -> tuple[int, Filters]:
