@@ -129,8 +129,13 @@ def _status_lines(status: dict[str, Any]) -> list[str]:
         if groups > shown:
             lines.append(f"  ... the {shown} biggest of {groups} groups")
     dead_counts = status["dead_by_reason"]
-    lines.append("dead letters: " + (", ".join(f"{reason} {n}" for reason, n in dead_counts.items())
+    about = "~" if status.get("dead_estimated") else ""
+    lines.append("dead letters: " + (", ".join(f"{reason} {about}{n:,}"
+                                               for reason, n in dead_counts.items())
                                      if dead_counts else "none"))
+    if status.get("dead_sample"):
+        lines.append(f"  (estimated from the table statistics; reasons scaled from a "
+                     f"{status['dead_sample']['percent']:g}% sample of its pages)")
     lines.append(f"dead tuples in staged_jobs: {status['dead_tuples']:,}")
     lines.append("oldest transaction: " + _describe_transaction(status["oldest_transaction"]))
     lock = status["lock"]

@@ -366,6 +366,20 @@ SELECT (SELECT EXTRACT(EPOCH FROM now() - least(greatest(
 -- name: dead_by_reason
 SELECT reason, count(*) FROM dead_jobs GROUP BY reason ORDER BY count(*) DESC, reason;
 
+-- name: dead_estimate
+-- drain status: what the statistics know about dead_jobs (as backlog_estimate).
+SELECT coalesce(s.n_live_tup, 0),
+       pg_relation_size(c.oid) / current_setting('block_size')::int
+FROM pg_class c
+LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
+WHERE c.oid = 'dead_jobs'::regclass;
+
+-- name: dead_by_reason_sample
+-- drain status above the exact-count threshold: dead_by_reason from a block
+-- sample of `percent` per cent of the pages; the caller scales the counts.
+SELECT reason, count(*) FROM dead_jobs TABLESAMPLE SYSTEM (%(percent)s)
+GROUP BY reason ORDER BY count(*) DESC, reason;
+
 -- name: oldest_transaction
 -- drain status: the oldest open transaction of this database (other than our
 -- own), the one that keeps vacuum from removing drained rows when it holds a
