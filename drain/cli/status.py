@@ -32,7 +32,8 @@ def add_parser(sub: Any) -> None:
         description="Show the backlog by queue, tag and task, how long the oldest due job "
         "has waited, dead letters by reason, the database's oldest open transaction (it "
         "keeps vacuum from removing drained rows) and which drain holds the lock. Above "
-        f"{drain_status.ESTIMATE_ABOVE:,} staged rows the counts are estimates, and say so.",
+        f"{drain_status.ESTIMATE_ABOVE:,} staged rows (or dead jobs) the counts are "
+        "estimates, and say so.",
     )
     add_database(p)
     add_lock_key(p)
