@@ -23,7 +23,7 @@ import psycopg
 import pytest
 
 import drain
-from drain.broker.outgoing import Message
+from drain.broker.outgoing import Message, PauseKey
 from drain.broker.publisher import Publisher, PublishResult
 from drain.broker.queue_declare import BindingSpec, ExchangeSpec, QueueSpec
 from drain.celery import message
@@ -224,7 +224,7 @@ def test_a_drain_without_write_permission_holds_its_rows_and_says_so(
             assert support.staged_count(db_url) == 10
             # Paused once per batch, not once per row (that made it 2**10 s, capped
             # at 30 s), and longer each time until a message to it is confirmed.
-            assert running.drain.pipeline.paused[queue][1] <= 3
+            assert running.drain.pipeline.paused[PauseKey(queue)][1] <= 3
             assert metrics.get_sample_value("drain_dead_lettered_total",
                                             {"reason": "refused"}) == 0
             rabbitmqctl("set_permissions", "-p", support.BROKER_VHOST, user, ".*", ".*", ".*")
@@ -261,7 +261,7 @@ def test_a_nacked_row_is_retried_with_backoff_not_in_a_loop(
         metrics = running.drain.metrics.registry
         support.wait_for(lambda: metrics.get_sample_value("drain_nacked_total"), 30, "a nack")
         support.wait_for(lambda: support.staged_count(db_url) == 1, 30, "the other rows")
-        assert queue in running.drain.pipeline.paused
+        assert PauseKey(queue) in running.drain.pipeline.paused
         delivered = support.drain_queue(queue)  # room: the row may follow at once
         assert delivered[0][2] == b"filler"
         support.wait_for(lambda: support.staged_count(db_url) == 0, 60, "the nacked row")
