@@ -160,3 +160,33 @@ def test_returns_for_one_exchange_never_hold_a_route_to_another(
         running.stop()
     assert sorted(support.task_ids(support.drain_queue(bound_b))) == sorted(b_ids)
     assert support.task_ids(support.drain_queue(n["bound_a"])) == a_ids
+
+
+def test_an_exchange_the_drain_declared_deleted_twice_is_declared_again_each_time(
+    db_url: str, suffix: str
+) -> None:
+    via = pause_app.names(suffix)["via"]
+    running = _run(db_url, suffix)
+    delivered: list[str] = []
+    try:
+        delivered += _stage(db_url, "pause.via_exchange", 1)
+        support.wait_for(lambda: support.staged_count(db_url) == 0, 30, "the first job")
+        for round_, count in enumerate((2, 3)):
+            with support.broker_channel() as ch:
+                ch.exchange_delete(via)  # behind the drain's back, on its connection
+            delivered += _stage(db_url, "pause.via_exchange", count)
+            support.wait_for(lambda: support.staged_count(db_url) == 0, 60,
+                             f"the jobs after deletion {round_ + 1}")
+        refused = _sample(running, "drain_publish_refused_total", {"code": "404"})
+        dead = _sample(running, "drain_dead_lettered_total", {"reason": "refused"})
+        reconnects = _sample(running, "drain_reconnects_total", {"target": "broker"})
+    finally:
+        running.stop()
+    with psycopg.connect(db_url) as conn:
+        dead_rows = conn.execute("SELECT count(*) FROM dead_jobs").fetchone()
+    print(f"\n[pause keys] exchange deleted twice: {refused:g} refused publishes, "
+          f"{dead_rows} dead-lettered rows")
+    assert dead_rows == (0,) and dead == 0
+    assert refused >= 2  # one refusal per deletion at least
+    assert reconnects == 0, "a redeclare, not a reconnect, cured it"
+    assert sorted(set(support.task_ids(support.drain_queue(via)))) == sorted(delivered)
