@@ -6,9 +6,10 @@ session: move expired rows to dead_jobs (when due), fetch up to ``batch_size``
 rows from the low-water marks (drain.postgres.keyset), build and publish them (a row
 that can never become a message goes to dead_jobs), and delete exactly the rows
 whose messages the broker confirmed, up to ``pipeline`` batches later. It also
-keeps the queues the broker refuses paused (their rows stay staged) and counts
-what was published. Connections, the lock, failures and idling are the loop's
-business (drain.daemon.runner); the pipeline only raises.
+keeps paused what the broker refuses, keyed by what failed (drain.daemon.holds,
+drain.daemon.answers: their rows stay staged) and counts what was published.
+Connections, the lock, failures and idling are the loop's business
+(drain.daemon.runner); the pipeline only raises.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from drain.broker.outgoing import Message
+from drain.broker.outgoing import Message, PauseKey
 from drain.broker.publisher import Batch, Publisher, PublishResult
 from drain.celery import message, unsendable
 from drain.celery.message import Destination
 from drain.celery.routing import AppRouter, UnknownTask
+from drain.daemon.answers import Answers
 from drain.daemon.holds import Holds
 from drain.daemon.metrics import Metrics
 from drain.daemon.settle import Settle
@@ -33,7 +35,6 @@ from drain.errors import (
     BrokerBlocked,
     BrokerUnavailable,
     DatabaseUnavailable,
-    QueueDeclareRefused,
 )
 from drain.postgres import keyset
 from drain.postgres.conflicts import Settled
@@ -96,8 +97,11 @@ class Pipeline:
         #: Batches published and not yet settled, oldest first (at most
         #: ``settings.pipeline - 1`` between cycles).
         self.inflight: list[Batch] = []
-        #: The staged queues left out of the fetch for a while, and why (drain.daemon.holds).
+        #: What stays staged for a while, keyed by what failed, and why (drain.daemon.holds).
         self.holds = Holds()
+        #: What the broker's refusals, nacks and returns do to the holds.
+        self.answers = Answers(self.holds, metrics, declare_mode=settings.queue_declare,
+                               forget=publisher.forget)
         #: Rows the broker confirmed, this process's lifetime.
         self.published = 0
         #: Removes rows only as they were read; holds out the ones that keep changing.
@@ -234,7 +238,9 @@ class Pipeline:
         """Fetch the next batch and move the low-water marks (drain.postgres.keyset)."""
         started = time.perf_counter()
         marks = self.marks  # with --fetch-strategy head they plan from the head, keep none
-        paused = self.holds.now_paused()
+        # Without --app a paused queue is also the staged queue: left out by name too.
+        paused = ([] if self.router is not None else
+                  sorted(key.queue for key in self.holds.now_paused() if key.queue))
         marks.paused(paused)
         rows = self._store.fetch(limit, exclude, paused, marks.plan(time.monotonic()))
         now = time.monotonic()
@@ -256,27 +262,34 @@ class Pipeline:
         return rows
 
     def _start(self, rows: list[StagedRow], doomed: list[tuple[int, str, str]]) -> Batch | None:
-        """Declare the rows' queues and publish the rows whose queues were accepted.
+        """Declare the rows' queues and publish the rows whose keys are not paused.
 
-        With an app, each row goes to the queue the app routes it to; a refused
-        queue pauses the staged queues of the rows routed to it (the unit the
-        fetch leaves out). A row the broker could never accept is not even routed
-        (drain.celery.unsendable)."""
+        With an app, each row goes where the app routes it; a refused declare
+        pauses that queue's key (drain.daemon.holds), and the rows routed to a
+        paused key are held out of the fetch by id. A row the broker could never
+        accept is not even routed (drain.celery.unsendable)."""
         rows = unsendable.screen(rows, doomed, time.time())
         destinations = self._route(rows, doomed) if self.router is not None else {}
-        # Each row with the queue it goes to, worked out once.
-        targets = ([(row, destinations[row.id].queue) for row in rows if row.id in destinations]
-                   if self.router is not None else [(row, row.queue) for row in rows])
+        # Each row with the queue declared for it and its pause key, worked out once.
+        targets: list[tuple[StagedRow, str, PauseKey]] = []
+        for row in rows:
+            if self.router is None:
+                targets.append((row, row.queue, PauseKey(row.queue)))
+            elif row.id in destinations:
+                where = destinations[row.id]
+                targets.append((row, where.queue,
+                                PauseKey.of(where.queue, where.exchange, where.routing_key)))
         paused = set(self.holds.now_paused())
-        refused = self._publisher.declare({queue for _, queue in targets} - paused)
+        refused = self._publisher.declare(
+            {queue for _, queue, key in targets if key not in paused})
         for queue, reason in refused.items():
-            self.holds.pause(queue, self._declare_refused(queue, reason))
-        for row, queue in targets:
+            self.answers.declare_refused(queue, reason)
+        paused = set(self.holds.now_paused())
+        for row, _, key in targets:
             self.holds.rows.pop(row.id, None)
-            if queue in refused or queue in paused:
-                self.holds.rows[row.id] = queue  # out of the fetch while it is paused
-        publishable = [(row, queue) for row, queue in targets
-                       if queue not in refused and queue not in paused]
+            if key in paused:
+                self.holds.rows[row.id] = key  # out of the fetch while it is paused
+        publishable = [(row, queue) for row, queue, key in targets if key not in paused]
         if not publishable:
             return None
         self._prove_lock()
@@ -362,11 +375,11 @@ class Pipeline:
                 tracing.sent(traced, len(built.body))
             yield built
 
-    # -- queues the broker refuses (drain.daemon.holds) --------------------------------------
+    # -- what the broker refuses (drain.daemon.holds, drain.daemon.answers) ----------------
 
     @property
-    def paused(self) -> dict[str, tuple[float, int, str]]:
-        """queue -> (paused until (monotonic), times paused, last reason)."""
+    def paused(self) -> dict[PauseKey, tuple[float, int, str]]:
+        """key -> (paused until (monotonic), times paused, last reason)."""
         return self.holds.paused
 
     def _try_paused(self) -> None:
@@ -378,69 +391,26 @@ class Pipeline:
         refuses it: a fetch never steps over the pile just to find that out.
         """
         if self.router is not None:
-            # Staged queues are not the app's queues: a paused one is fetched again
-            # once its pause ran out, routed, and declared (or paused for longer).
+            # Staged queues are not the app's queues: a paused key's rows are fetched
+            # again once its pause ran out, routed, and declared (or paused for longer).
             return
         due = self.holds.due()
         if not due:
             return
         try:
-            refused = self._publisher.declare(due)
+            refused = self._publisher.declare({key.queue for key in due})
         except BrokerBlocked:
             return  # tried again after the alarm
-        for queue in sorted(due):
-            if queue in refused:
-                self.holds.pause(queue, self._declare_refused(queue, refused[queue]))
-        self.holds.resume(due - set(refused))
-
-    def _declare_refused(self, queue: str, reason: str) -> str:
-        """Count a refused declare (by the broker's reply code) and say what it means."""
-        code = reason.split(" ", 1)[0]
-        self.metrics.declare_refused.labels(code if code.isdigit() else "other").inc()
-        return str(QueueDeclareRefused(queue, reason, self.settings.queue_declare))
-
-    def _refused(self, result: PublishResult) -> set[str]:
-        """Count and say what the broker refused (drain.broker.refusal): dead-lettered rows
-        went to dead_jobs with the batch; held rows pause their queue. Returns the
-        queues paused."""
-        held: dict[str, str] = {}
-        for m, refusal in result.refused:
-            self.metrics.publish_refused.labels(str(refusal.code)).inc()
-            if refusal.action == "hold":
-                self.holds.rows[m.row_id] = m.declared_queue
-                held.setdefault(m.declared_queue, f"broker refused a publish to exchange "
-                                f"{m.exchange!r}: {refusal.text}; its rows stay staged")
-            else:
-                self.holds.say(f"{refusal.action} {refusal.text}", (
-                    f"broker refused a publish ({refusal.text}): " + (
-                        "moved to dead_jobs (reason 'refused')" if refusal.action == "dead"
-                        else "its row stays staged; declaring its queue again")))
-        for queue, reason in sorted(held.items()):
-            self.holds.hold(queue, reason)
-        return set(held)
+        for queue in sorted(refused):
+            self.answers.declare_refused(queue, refused[queue])
+        self.holds.resume({key for key in due if key.queue not in refused})
 
     def _account(self, result: PublishResult) -> None:
         self.published += len(result.confirmed)
         self.metrics.published.inc(len(result.confirmed))
         self.metrics.unroutable.inc(len(result.returned))
         self.metrics.nacked.inc(result.nacked)
-        confirmed = result.confirmed_queues
-        self.holds.resume(confirmed - result.returned_declared)
-        for queue in sorted(result.returned_declared):
-            # Unroutable: nothing bound to it (deleted behind our back?). Declare
-            # it again next time; meanwhile its rows stay staged.
-            self._publisher.forget(queue)
-            self.holds.pause(queue, f"messages to queue {queue!r} came back unroutable (no "
-                                    "queue bound); their rows stay staged")
-        self.holds.rows.update(result.returned_to)
-        if result.nacked:
-            log.warning("broker nacked %d message(s); their rows stay staged", result.nacked)
-        for queue in sorted(result.nacked_queues):
-            # Nacked again if published again at once (a full queue with
-            # x-overflow reject-publish): with backoff, not in a loop.
-            self.holds.hold(queue, f"the broker nacks messages to queue {queue!r} (full, "
-                                   "with x-overflow reject-publish?); their rows stay staged")
-        self.holds.confirmed(confirmed - self._refused(result) - result.nacked_queues)
+        self.answers.settle(result)
         if self._on_cycle is not None:
             self._on_cycle(len(result.confirmed) + len(result.returned) + result.nacked,
                            len(result.confirmed))
