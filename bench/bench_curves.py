@@ -30,6 +30,7 @@ sizes, no plot), bench/results/curves.png and, with ``--docs-png``, docs/curves.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -65,27 +66,40 @@ def measure(name: str, xs: list[int], good: int) -> dict[str, list[dict[str, Any
         "dead": lambda x: curves.dead(x, free_port()),
         "series": lambda x: curves.series(x, max(2 * x, 2000), free_port()),
     }
-    if name == "held":
-        return {"": [curves.held(x, good, app=False) for x in xs],
-                "--app": [curves.held(x, good, app=True) for x in xs]}
-    results = []
-    for x in xs:
-        print(f"bench_curves: {name} {x:,}", flush=True)
-        results.append(point[name](x))
-    return {"": results}
+    point["held"] = lambda x: curves.held(x, good, app=False)
+    point["held --app"] = lambda x: curves.held(x, good, app=True)
+    variants = {"": name} if name != "held" else {"": "held", "--app": "held --app"}
+    return {variant: [_point(key, x, point[key]) for x in xs] for variant, key in variants.items()}
+
+
+def _point(name: str, x: int, run: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
+    """One point; one that does not finish within curves.TIMEOUT is recorded as such
+    (its rate 0), and the curve goes on."""
+    print(f"bench_curves: {name} {x:,}", flush=True)
+    try:
+        return run(x)
+    except SystemExit as exc:
+        print(f"bench_curves: {name} {x:,}: {exc}", flush=True)
+        return {"x": x, "rate": 0.0, "failed": str(exc)}
 
 
 def rows_of(name: str, lines: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """The summary rows of one curve, and its table printed."""
     out = []
-    for variant, points in lines.items():
+    for variant, measured in lines.items():
         label = f"{name} {variant}".strip()
         print(f"\n{label}")
-        keys = [k for k in points[0] if k != "x"]
+        keys = list(dict.fromkeys(k for p in measured for k in p if k not in ("x", "failed")))
         print("| x | " + " | ".join(keys) + " |")
         print("|---:|" + "---:|" * len(keys))
-        for p in points:
-            print(f"| {p['x']:,} | " + " | ".join(_fmt(p[k]) for k in keys) + " |")
+        for p in measured:
+            print(f"| {p['x']:,} | " + " | ".join(_fmt(p.get(k, "-")) for k in keys) + " |")
+        for p in measured:
+            if "failed" in p:
+                out.append(harness.row(f"{label}: {p['x']:,}", "done", p["failed"], False))
+        points = [p for p in measured if "failed" not in p]
+        if not points:
+            continue
         first, last = points[0], points[-1]
         if "rate" in first and name != "queues":
             for p in points[1:]:
@@ -121,7 +135,9 @@ def rows_of(name: str, lines: dict[str, list[dict[str, Any]]]) -> list[dict[str,
 
 
 def _fmt(value: Any) -> str:
-    return f"{value:,.3f}" if isinstance(value, float) else f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.3f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
 
 
 def _dups(point: dict[str, Any]) -> str:
@@ -175,10 +191,13 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown curves {sorted(unknown)}: choose from {', '.join(FULL)}")
     print(f"bench_curves: {good:,} good jobs per point, {os.cpu_count()} cores", flush=True)
-    results = {}
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    partial = harness.RESULTS / f"curves{'-smoke' if args.smoke else ''}.partial.json"
+    partial.parent.mkdir(parents=True, exist_ok=True)
     for name in chosen:
         xs = [int(x) for x in (getattr(args, name) or sizes[name]).split(",") if x]
         results[name] = measure(name, xs, good)
+        partial.write_text(json.dumps(results, indent=2) + "\n")  # a long run's points so far
     summary = [row for name in chosen for row in rows_of(name, results[name])]
     if not args.smoke:  # matplotlib is a bench extra: make test's smoke run has none
         pngs = [harness.RESULTS / "curves.png"] + ([DOCS_PNG] if args.docs_png else [])

@@ -36,7 +36,9 @@ from drain.settings.urls import broker_parameters
 PILE, GOOD = "bench.pile", "bench.flowing"
 #: Raw pika's confirm windows, the best of which is the baseline.
 WINDOWS = (1000, 5000)
-TIMEOUT = 900.0
+#: Seconds a point may take (the drain publishing the good jobs), else it is recorded
+#: as not done.
+TIMEOUT = 300.0
 
 
 def sql_stage(url: str, n: int, queue: str | None, task: str, *, queues: int = 1,
