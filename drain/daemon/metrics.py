@@ -128,6 +128,10 @@ class Metrics:
             "drain_lock_held", "1 if this process holds its lock (its lane's, with lanes).")
         self.lock_held_seconds = gauge(
             "drain_lock_held_seconds", "Seconds since this process took its lock (0: not held).")
+        self.delete_pending = gauge(
+            "drain_delete_pending_rows", "Rows the drain published (or is moving to dead_jobs) "
+            "whose delete waits for a lock another transaction holds (SELECT ... FOR UPDATE, "
+            "LOCK TABLE): delivered once, kept out of the fetch, deleted once the lock ends.")
         self.lanes = gauge("drain_lanes", "The number of lanes this drain is split in (1: none).")
         self.last_cycle = gauge(
             "drain_last_cycle_timestamp_seconds",

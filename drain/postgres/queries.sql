@@ -241,10 +241,11 @@ UNION ALL
 
 -- name: keyed_lock_timeout
 -- Before the statements that remove rows as the drain read them (bury,
--- delete_confirmed), for the rest of the batch transaction: a row another
--- transaction holds locked is waited for this long at most, then counts as
--- changed (drain/postgres/conflicts.py). Not FOR UPDATE SKIP LOCKED: that would need
--- UPDATE privilege on staged_jobs, which drain_runner does not have.
+-- delete_confirmed), for the rest of the batch transaction: a lock another
+-- transaction holds is waited for this long at most, then locked_rows says
+-- which rows to set aside, pending (drain/postgres/conflicts.py). Not FOR UPDATE
+-- SKIP LOCKED: that would need UPDATE privilege on staged_jobs, which
+-- drain_runner does not have.
 SELECT set_config('lock_timeout', %(timeout)s, true);
 
 -- name: bury
@@ -280,6 +281,33 @@ DELETE FROM staged_jobs s
 USING unnest(%(ids)s::bigint[], %(xacts)s::text[]::xid8[]) AS c(id, xact)
 WHERE s.id = c.id AND s.xact = c.xact
 RETURNING s.id;
+
+-- name: locked_rows
+-- Which of these rows a DELETE would wait for now, without waiting: all of
+-- them while another session holds or awaits a lock on staged_jobs that
+-- conflicts with ROW EXCLUSIVE (LOCK TABLE ... IN SHARE MODE, a plain CREATE
+-- INDEX); else the rows whose xmax is a transaction running now (it locked or
+-- is updating the row: every transaction holds a lock on its own id). An xmax
+-- left by a locker that ended, or a multixact's id, does not count: the
+-- statement is tried again and halved if it still waits
+-- (drain/postgres/conflicts.py). pg_locks and xmax need no privilege.
+WITH locks AS (
+    SELECT locktype, database, relation, mode, transactionid FROM pg_locks
+    WHERE pid IS DISTINCT FROM pg_backend_pid()
+), whole AS (
+    SELECT EXISTS (
+        SELECT FROM locks
+        WHERE locktype = 'relation' AND relation = 'staged_jobs'::regclass
+          AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+          AND mode IN ('ShareLock', 'ShareRowExclusiveLock', 'ExclusiveLock',
+                       'AccessExclusiveLock')) AS locked
+)
+SELECT c.id FROM unnest(%(ids)s::bigint[]) AS c(id), whole
+WHERE whole.locked
+UNION ALL
+SELECT s.id FROM staged_jobs s, whole
+WHERE NOT whole.locked AND s.id = ANY(%(ids)s::bigint[]) AND s.xmax <> '0'::xid
+  AND s.xmax IN (SELECT transactionid FROM locks WHERE locktype = 'transactionid');
 
 -- name: backlog_estimate
 -- drain status: what the statistics know about staged_jobs, without reading
