@@ -175,3 +175,25 @@ def test_a_long_lock_keeps_the_broker_connection_and_the_loop_alive(
     assert _once_each(deliveries, markers) == {}
     assert pending == LOCKED
     assert _metric(running, "drain_conflicted_rows_total") == 0
+
+
+def test_the_broker_connection_is_served_while_a_statement_waits(
+    db_url: str, queue: str, start_active_drain: Callable[..., Running],
+) -> None:
+    """A statement that waits for a lock (here the fetch, behind an ACCESS EXCLUSIVE
+    lock, up to the session's lock timeout) does not starve the broker
+    connection: its heartbeats (1 s) go on."""
+    running = start_active_drain(db_url, broker_heartbeat=1, db_timeout=8.0)
+    with holding(db_url, "LOCK TABLE staged_jobs IN ACCESS EXCLUSIVE MODE"):
+        support.wait_for(lambda: running.drain._store.waiting, 30, "a statement to wait")
+        # The lock's duration is the scenario: several heartbeat timeouts.
+        held_until = time.monotonic() + 6.0
+        while time.monotonic() < held_until:
+            assert running.drain.state is State.ACTIVE
+            time.sleep(0.1)
+    with Deliveries([queue]).running() as deliveries:
+        _stage(db_url, "t.after", ["after"], queue)
+        support.wait_for(lambda: deliveries.count("after"), 60, "a job staged after the lock")
+    assert _metric(running, "drain_reconnects_total", target="broker") == 0, (
+        "the broker connection was lost while a statement waited")
+    assert deliveries.count("after") == 1
