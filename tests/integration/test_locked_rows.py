@@ -14,6 +14,7 @@ consumer; nothing here depends on how fast the machine is, only on counts.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -136,6 +137,32 @@ def test_a_share_lock_on_the_table_changes_no_row(
     assert _once_each(deliveries, markers) == {}
     assert _metric(running, "drain_conflicted_rows_total") == 0, "locked rows counted as changed"
     assert "changed under the drain" not in caplog.text
+
+
+def test_expired_rows_locked_move_to_dead_jobs_once_the_lock_ends(
+    db_url: str, queue: str, start_active_drain: Callable[..., Running],
+) -> None:
+    """The move to dead_jobs (here of expired rows) meets a lock the same way: pending,
+    not changed, and done once the lock ends."""
+    expired = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=1)
+    with psycopg.connect(db_url) as conn:
+        drain.stage_many(conn, [drain.Job("t.expired", [f"e{i}"], queue=queue, expires=expired)
+                                for i in range(50)])
+    with holding(db_url, "SELECT id FROM staged_jobs WHERE queue = %s FOR UPDATE", queue):
+        running = start_active_drain(db_url)
+        _more_cycles(running, 5)
+        assert _metric(running, "drain_conflicted_rows_total") == 0, (
+            "locked rows counted as changed")
+        assert support.staged_count(db_url) == 50
+        assert _metric(running, "drain_delete_pending_rows") == 50
+    support.wait_for(lambda: support.staged_count(db_url) == 0, 60, "the expired rows' move")
+    with psycopg.connect(db_url) as conn:
+        reasons = conn.execute("SELECT reason, count(*) FROM dead_jobs GROUP BY reason").fetchall()
+    assert reasons == [("expired", 50)]
+    assert _metric(running, "drain_expired_total") == 50
+    assert _metric(running, "drain_conflicted_rows_total") == 0
+    assert _metric(running, "drain_delete_pending_rows") == 0
+    assert support.queue_depth(queue) == 0
 
 
 def test_a_long_lock_keeps_the_broker_connection_and_the_loop_alive(
