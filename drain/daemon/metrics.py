@@ -101,7 +101,7 @@ class Metrics:
             "again with the same task id, duplicates a consumer must expect.")
         self.conflicted = counter(
             "drain_conflicted_rows", "Rows the drain left staged because they changed under "
-            "it (updated, or held by another transaction, after it read them): published "
+            "it (updated after it read them; a row only locked is pending, not changed): published "
             "again as they are now, with the same task id; held out of the fetch a while.")
         self.stale_batches = counter(
             "drain_stale_batches", "Batches not published because, after a pause between "

@@ -108,9 +108,8 @@ class Settle:
         if left:
             self.metrics.conflicted.inc(len(left))
             if self.cooling.struck(left, time.monotonic()):
-                log.info("%d row(s) changed under the drain after it read them (updated, or "
-                         "held by another transaction): left staged, published again as "
-                         "they are now", len(left))
+                log.info("%d row(s) changed under the drain after it read them (updated): "
+                         "left staged, published again as they are now", len(left))
 
     def _pend(self, expired: Settled, deleted: Settled, buried: Settled,
               reasons: dict[int, tuple[str, str | None]]) -> None:
