@@ -67,15 +67,16 @@ class Holds:
         now = time.monotonic()
         return {queue for queue, (until, _, _) in self.paused.items() if until <= now}
 
-    def pause(self, queue: str, reason: str, *, times: int = 0) -> None:
+    def pause(self, queue: str, reason: str, *, times: int = 0, cause: str | None = None) -> None:
         """Leave ``queue``'s rows staged for a while (doubling up to MAX_PAUSE, at
-        least as after ``times`` pauses) and say why, once."""
+        least as after ``times`` pauses) and say why, once per ``cause`` (default:
+        the reason; drain.daemon.piles gives many queues refused alike one cause)."""
         _, count, _ = self.paused.get(queue, (0.0, 0, ""))
         count = max(count, times)
         delay = min(2.0**count, MAX_PAUSE)
         self.paused[queue] = (time.monotonic() + delay, count + 1, reason)
-        self.say(reason, f"{reason}; retrying queue {queue!r} with backoff, up to "
-                         f"{MAX_PAUSE:g}s apart")
+        self.say(cause or reason, f"{reason}; retrying queue {queue!r} with backoff, up to "
+                                  f"{MAX_PAUSE:g}s apart")
 
     def hold(self, queue: str, reason: str) -> None:
         """Pause ``queue`` for a publish the broker would refuse or nack again at

@@ -24,6 +24,7 @@ from drain.broker.publisher import Batch, Publisher, PublishResult
 from drain.celery import message, unsendable
 from drain.celery.message import Destination
 from drain.celery.routing import AppRouter, UnknownTask
+from drain.daemon import piles
 from drain.daemon.holds import Holds
 from drain.daemon.metrics import Metrics
 from drain.daemon.settle import Settle
@@ -98,6 +99,10 @@ class Pipeline:
         self.inflight: list[Batch] = []
         #: The staged queues left out of the fetch for a while, and why (drain.daemon.holds).
         self.holds = Holds()
+        #: Which held rows the marks passed (drain.daemon.piles).
+        self.piles = piles.HeldKeys()
+        #: Many queues refused alike are one warning (drain.daemon.piles).
+        self.refusals = piles.Refusals()
         #: Rows the broker confirmed, this process's lifetime.
         self.published = 0
         #: Removes rows only as they were read; holds out the ones that keep changing.
@@ -128,6 +133,8 @@ class Pipeline:
         SETTLE_TIMEOUT to be confirmed (abandoning them is safe: their rows stay
         staged).
         """
+        if not stopping:  # outside the batch's transaction (drain.daemon.piles)
+            piles.try_due(self.holds, self.refusals, self._publisher, self._declare_refused)
         pending, self.inflight = self.inflight, []
         start_error: BrokerUnavailable | None = None
         results: list[PublishResult] = []
@@ -136,9 +143,10 @@ class Pipeline:
         limit = self.settings.batch_size
         expired = Settled()
         # Left out of the fetch and the expiry: the rows in flight, and the rows
-        # held out after they changed under the drain (drain.postgres.conflicts).
+        # held out after they changed under the drain (drain.postgres.conflicts), and the
+        # rows held for a paused queue that the marks did not pass (drain.daemon.piles).
         exclude = [row_id for batch in pending for row_id in batch.row_ids]
-        exclude += self.settle.held() + self.holds.held_rows()
+        exclude += self.settle.held() + self.piles.held_out(self.holds, self.marks.current())
         try:
             # The marks move only once the batch committed (drain.postgres.keyset, "Only what
             # committed moves a mark"): a rolled-back batch's expired rows come back.
@@ -214,7 +222,6 @@ class Pipeline:
         # at once) and fetch once they are gone.
         if found >= limit:
             return expired, []
-        self._try_paused()  # a broker round trip: not part of the fetch's time
         return expired, self._fetch(limit, exclude)
 
     def _wait(self, batch: Batch, timeout: float | None = None) -> PublishResult:
@@ -235,7 +242,9 @@ class Pipeline:
         started = time.perf_counter()
         marks = self.marks  # with --fetch-strategy head they plan from the head, keep none
         paused = self.holds.now_paused()
-        marks.paused(paused)
+        # Back to the start once a skipped queue is resumed, not the moment its
+        # pause runs out: a declare tries it first (drain.daemon.piles.try_due).
+        marks.paused(list(self.holds.paused))
         rows = self._store.fetch(limit, exclude, paused, marks.plan(time.monotonic()))
         now = time.monotonic()
         marks.fetched([row.priority for row in rows if row.ready], now)
@@ -245,7 +254,7 @@ class Pipeline:
             self._heads_at = now
             current = marks.current()
             if current.priorities:
-                heads, xmin = self._store.heads(current, paused)
+                heads, xmin = self._store.heads(current, paused, self.piles.above)
                 marks.observe(heads, xmin, paused)
             marks.observe_timed(*self._store.timed_heads(current))
         self._fetched_at = now
@@ -269,12 +278,13 @@ class Pipeline:
                    if self.router is not None else [(row, row.queue) for row in rows])
         paused = set(self.holds.now_paused())
         refused = self._publisher.declare({queue for _, queue in targets} - paused)
-        for queue, reason in refused.items():
-            self.holds.pause(queue, self._declare_refused(queue, reason))
+        self.refusals.pause(self.holds, refused, self._declare_refused)
         for row, queue in targets:
             self.holds.rows.pop(row.id, None)
             if queue in refused or queue in paused:
                 self.holds.rows[row.id] = queue  # out of the fetch while it is paused
+                self.piles.hold(row)
+                self._heads_at = 0.0  # the next look lets the marks pass it
         publishable = [(row, queue) for row, queue in targets
                        if queue not in refused and queue not in paused]
         if not publishable:
@@ -368,30 +378,6 @@ class Pipeline:
     def paused(self) -> dict[str, tuple[float, int, str]]:
         """queue -> (paused until (monotonic), times paused, last reason)."""
         return self.holds.paused
-
-    def _try_paused(self) -> None:
-        """Declare again the paused queues whose pause ran out: resume the ones the
-        broker accepts now, pause the others for longer.
-
-        Trying a queue by declaring it, not by fetching its rows, keeps the marks
-        past those rows (drain.postgres.keyset, "Paused queues") while the broker still
-        refuses it: a fetch never steps over the pile just to find that out.
-        """
-        if self.router is not None:
-            # Staged queues are not the app's queues: a paused one is fetched again
-            # once its pause ran out, routed, and declared (or paused for longer).
-            return
-        due = self.holds.due()
-        if not due:
-            return
-        try:
-            refused = self._publisher.declare(due)
-        except BrokerBlocked:
-            return  # tried again after the alarm
-        for queue in sorted(due):
-            if queue in refused:
-                self.holds.pause(queue, self._declare_refused(queue, refused[queue]))
-        self.holds.resume(due - set(refused))
 
     def _declare_refused(self, queue: str, reason: str) -> str:
         """Count a refused declare (by the broker's reply code) and say what it means."""

@@ -166,8 +166,10 @@ WHERE attrelid IN (to_regclass('staged_jobs'), to_regclass('dead_jobs'))
 -- For drain.postgres.keyset, in the batch's own snapshot: that snapshot's xmin, and
 -- for each marked priority (in the order given) the smallest (xact, id) still
 -- staged at or above its mark (NULLs: none), whatever its expiry or flight, in
--- any queue but the paused ones (drain.postgres.keyset, "Paused queues"). Each is one
--- index descent from (priority, mark), stepping over the paused queues' rows.
+-- any queue but the paused ones (drain.postgres.keyset, "Paused queues"), and other
+-- than the rows held by id for a paused queue (drain.daemon.piles: those above the
+-- marks only, about a batch). Each is one index descent from (priority, mark),
+-- stepping over the paused queues' and the held rows.
 SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint,
        array_agg(h.xact::text::bigint ORDER BY m.n),
        array_agg(h.id ORDER BY m.n)
@@ -178,6 +180,7 @@ LEFT JOIN LATERAL (
     WHERE s.not_before IS NULL AND s.priority = m.p
       AND (s.xact, s.id) >= (m.wx::text::xid8, m.wi)
       AND coalesce(s.queue, 'celery') <> ALL(%(paused)s::text[])
+      AND s.id <> ALL(%(held)s::bigint[])
       AND (%(lanes)s::int = 1 OR abs(mod(s.id, %(lanes)s::int)) = %(lane)s::int)
     ORDER BY s.priority DESC, s.xact, s.id
     LIMIT 1) AS h ON true;

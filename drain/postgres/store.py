@@ -193,14 +193,16 @@ class Store(Session):
         return [StagedRow(*row) for row in cur.fetchall()]  # type: ignore[arg-type]
 
     def heads(
-        self, plan: keyset.FetchPlan, paused: list[str] | None = None
+        self, plan: keyset.FetchPlan, paused: list[str] | None = None,
+        held: list[int] | None = None,
     ) -> tuple[dict[int, tuple[int, int] | None], int]:
         """For :meth:`keyset.Marks.observe`: each marked priority's smallest staged
-        ``(xact, id)`` at or above its mark outside the ``paused`` queues, and this
+        ``(xact, id)`` at or above its mark outside the ``paused`` queues and the
+        ``held`` rows (held for a paused queue: drain.daemon.piles), and this
         snapshot's xmin."""
         row = self._execute("fetch_heads", {
             "priorities": plan.priorities, "mark_xacts": plan.mark_xacts,
-            "mark_ids": plan.mark_ids, "paused": paused or [],
+            "mark_ids": plan.mark_ids, "paused": paused or [], "held": held or [],
             **self._lane,
         }).fetchone()
         assert row is not None

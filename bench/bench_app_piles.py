@@ -1,0 +1,29 @@
+"""The Celery app of bench_piles's ``--app`` rounds.
+
+Rows staged without a queue: ``bench.held`` is routed to the queue named in
+``BENCH_PILES_HELD`` (which the bench declares first with other arguments, so
+the drain's declare is refused, 406), ``bench.good`` to ``BENCH_PILES_GOOD``.
+Both names are set by the bench before the drain loads the app.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from celery import Celery
+
+BROKER_URL = os.environ.get("DRAIN_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+
+def _task(*args: Any, **kwargs: Any) -> None:
+    """The bench never runs a worker: the tasks only have to be registered."""
+
+
+app = Celery("bench_piles", broker=BROKER_URL, set_as_current=False)
+app.conf.task_routes = {
+    "bench.held": {"queue": os.environ.get("BENCH_PILES_HELD", "bench_piles_held")},
+    "bench.good": {"queue": os.environ.get("BENCH_PILES_GOOD", "bench_piles_good")},
+}
+app.task(name="bench.held", shared=False)(_task)
+app.task(name="bench.good", shared=False)(_task)

@@ -1,0 +1,170 @@
+"""Held rows that stay staged without taxing every fetch (issue 36, "piles").
+
+With ``--app``, rows staged without a queue (or with one the app re-routes)
+can go to a queue the broker refuses. They cannot be left out of the fetch by
+their staged queue (it holds the good rows too), so the pipeline holds them
+out by id (drain.daemon.holds, ``Holds.rows``). Sending every held id with
+every fetch made each fetch step over the whole pile and plan a filter of that
+many ids: 73-116 ms to plan and 22-54 ms to run with 50,000 held rows, and the
+pile was walked again each time its queue's pause ran out.
+
+What this module does instead, in three steps:
+
+1. **The marks pass held rows.** :class:`HeldKeys` remembers the key
+   ``(priority, xact, id)`` of each held ready row. The look at the heads
+   (``fetch_heads``) steps over the held rows not yet passed, as it steps over
+   the paused staged queues' rows, and the queues they go to count among the
+   queues the marks skipped (drain.postgres.keyset, "Paused queues"): the
+   moment one of those is no longer paused, every mark goes back to the start
+   and the held rows are fetched again. A batch that held rows brings the next
+   look forward, so the pile is passed right after it was walked once.
+2. **Only the held rows above the marks are sent.** A held row below its
+   priority's mark cannot be fetched anyway: :meth:`HeldKeys.held_out` leaves
+   it out of the fetch's exclusion list, which so holds the rows held since
+   the last look (about a batch), not the pile. Rows held without a key (a
+   nack, a return, a delayed row) are always sent, as before.
+3. **A pause that runs out is tried by a declare** (:func:`try_due`), with
+   ``--app`` as without it: while the broker still refuses the queue, it is
+   paused again and its held rows stay held, behind the marks; the pile is
+   walked again only once the queue is accepted, to publish it.
+
+:func:`try_due` runs before the batch's transaction (drain.daemon.pipeline), declares at
+most DUE_PER_CYCLE queues per cycle, and a queue still refused is paused
+again with a jittered backoff (drain.daemon.holds): queues refused together do not
+stay due together, and a healthy queue's batch never waits behind a thousand
+declares.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+from drain.broker.publisher import Publisher
+from drain.daemon.holds import MAX_PAUSE, Holds
+from drain.errors import BrokerBlocked
+from drain.postgres import keyset
+from drain.postgres.rows import StagedRow
+
+#: At most this many paused queues are declared again per cycle; the rest stay
+#: due for the next cycles. A declare is one round trip (more with bindings).
+DUE_PER_CYCLE = 32
+#: Queues named in one warning for many refused alike.
+SHOWN = 5
+#: Seconds between two chunks of due queues.
+DEFER = 0.05
+#: A queue refused again is paused for its backoff less up to this fraction of it.
+JITTER = 0.25
+
+
+class HeldKeys:
+    """The index keys of the held ready rows, to tell which ones the marks passed."""
+
+    def __init__(self) -> None:
+        #: row id -> (priority, xact, id) of a held ready row.
+        self.keys: dict[int, tuple[int, int, int]] = {}
+        #: The held rows above the marks, as last sent with a fetch (for the look).
+        self.above: list[int] = []
+
+    def hold(self, row: StagedRow) -> None:
+        """``row`` is held out of the fetch; a ready row's key is remembered."""
+        if row.ready:
+            self.keys[row.id] = (row.priority, row.xact, row.id)
+        else:
+            self.keys.pop(row.id, None)
+
+    def held_out(self, holds: Holds, plan: keyset.FetchPlan) -> list[int]:
+        """The held rows the fetch must leave out: those whose queue is paused now
+        (:meth:`Holds.held_rows`), less the ready ones below their priority's mark
+        in ``plan`` (the marks passed them). Also kept as :attr:`above`."""
+        held = holds.held_rows()
+        if len(self.keys) > len(holds.rows):
+            self.keys = {i: k for i, k in self.keys.items() if i in holds.rows}
+        marks = dict(zip(plan.priorities, plan.marks, strict=True))
+        out = []
+        for row_id in held:
+            key = self.keys.get(row_id)
+            if key is not None:
+                mark = marks.get(key[0])
+                if mark is not None and (key[1], key[2]) < mark:
+                    continue
+            out.append(row_id)
+        self.above = out
+        return out
+
+
+def try_due(holds: Holds, refusals: Refusals, publisher: Publisher,
+            refused_reason: Callable[[str, str], str]) -> None:
+    """Declare again up to DUE_PER_CYCLE paused queues whose pause ran out: resume
+    the ones the broker accepts now, pause the others for longer.
+
+    Trying a queue by declaring it, not by fetching its rows, keeps the marks
+    past those rows (drain.postgres.keyset, "Paused queues") while the broker still
+    refuses it: a fetch never steps over the pile just to find that out. The
+    longest overdue go first; ``refused_reason(queue, reply)`` says what a
+    refusal means (and counts it).
+    """
+    due = holds.due()
+    if not due:
+        return
+    if len(due) > DUE_PER_CYCLE:
+        order = sorted(due, key=lambda q: (holds.paused[q][0], q))
+        due = set(order[:DUE_PER_CYCLE])
+        # The rest stay paused a little longer, a chunk after another: a queue
+        # due but not paused would send the marks back to the start.
+        now = time.monotonic()
+        for n, queue in enumerate(order[DUE_PER_CYCLE:]):
+            _, count, reason = holds.paused[queue]
+            holds.paused[queue] = (now + DEFER * (1 + n // DUE_PER_CYCLE), count, reason)
+    try:
+        refused = publisher.declare(due)
+    except BrokerBlocked:
+        return  # tried again after the alarm
+    refusals.pause(holds, refused, refused_reason)
+    now = time.monotonic()
+    for queue in refused:
+        until, count, reason = holds.paused[queue]
+        # Jittered: queues refused together do not come due together again.
+        jitter = random.uniform(0.0, JITTER)  # noqa: S311 (backoff, not a secret)
+        holds.paused[queue] = (until - jitter * (until - now), count, reason)
+    holds.resume(due - set(refused))
+
+
+class Refusals:
+    """Pauses the queues the broker refused to declare, one warning per cause.
+
+    A single queue is said as before (its own warning, drain.daemon.holds). Many
+    refused alike (the same reply code) at once are one warning for them all,
+    naming the first few, instead of one per queue (1,000 refused queues made
+    1,000 warnings); such a queue, refused again later, stays under that one
+    cause, reminded at most every REMIND_EVERY.
+    """
+
+    def __init__(self) -> None:
+        #: queue -> the cause it was said under with others.
+        self.causes: dict[str, str] = {}
+
+    def pause(self, holds: Holds, refused: dict[str, str],
+              refused_reason: Callable[[str, str], str]) -> None:
+        """Pause each queue of ``refused`` (``{queue: the broker's reply}``);
+        ``refused_reason(queue, reply)`` says what it means (and counts it)."""
+        if len(self.causes) > 2 * len(holds.paused) + 64:
+            self.causes = {q: c for q, c in self.causes.items() if q in holds.paused}
+        codes: dict[str, list[str]] = {}
+        for queue in sorted(refused):
+            codes.setdefault(refused[queue].split(" ", 1)[0], []).append(queue)
+        for code, queues in codes.items():
+            cause = f"declare refused {code}"
+            fresh = [q for q in queues if self.causes.get(q) != cause]
+            reasons = {q: refused_reason(q, refused[q]) for q in queues}
+            if len(fresh) > 1:
+                shown = ", ".join(repr(q) for q in fresh[:SHOWN])
+                more = f" and {len(fresh) - SHOWN} more" if len(fresh) > SHOWN else ""
+                holds.say(cause, f"broker refused to declare {len(fresh)} queues ({code}): "
+                                 f"{shown}{more}; their rows stay staged; retrying each with "
+                                 f"backoff, up to {MAX_PAUSE:g}s apart. The first: "
+                                 f"{reasons[fresh[0]]}")
+                self.causes.update(dict.fromkeys(fresh, cause))
+            for queue in queues:
+                holds.pause(queue, reasons[queue], cause=self.causes.get(queue))
