@@ -56,18 +56,18 @@ _declare = queue_declare.QueueDeclaringLink.declare
 
 
 def _counted_fetch(self: Any, limit: int, exclude: list[int] | None = None,
-                   *args: Any) -> Any:
+                   *args: Any, **options: Any) -> Any:
     COUNTS["excluded_max"] = max(COUNTS["excluded_max"], len(exclude or []))
-    return _fetch(self, limit, exclude, *args)
+    return _fetch(self, limit, exclude, *args, **options)
 
 
-def _counted_declare(self: Any, queues: set[str]) -> dict[str, str]:
-    refused = _declare(self, queues)
+def _counted_declare(self: Any, queues: set[str], **options: Any) -> dict[str, str]:
+    refused = _declare(self, queues, **options)
     COUNTS["refused_declares"] += len(refused)
     return refused
 
 
-store_module.Store.fetch = _counted_fetch  # type: ignore[method-assign,assignment]
+store_module.Store.fetch = _counted_fetch  # type: ignore[method-assign]
 queue_declare.QueueDeclaringLink.declare = _counted_declare  # type: ignore[method-assign]
 
 

@@ -5,13 +5,17 @@ the ``PILE_APP_SUFFIX`` environment variable (each test process has its own).
 ``pile.held`` is routed to the ``held`` queue, which the test declares first
 with other arguments, so the drain's declare gets 406 PRECONDITION_FAILED;
 ``pile.good`` goes to the app's default queue. Rows staged without a queue
-are one staged queue ('celery') for both: only the app tells them apart, so
-the drain holds the refused ones by id (drain.daemon.piles).
+are one staged queue ('celery') for both: only the app tells them apart.
+:data:`app` routes with a plain mapping (static: the drain holds the refused
+rows by route), :data:`by_function` with a router function (the drain holds
+them by id; drain.daemon.piles).
 """
 
 from __future__ import annotations
 
 import os
+
+from typing import Any
 
 from celery import Celery
 
@@ -25,20 +29,24 @@ def names(suffix: str) -> dict[str, str]:
 SUFFIX = os.environ.setdefault("PILE_APP_SUFFIX", support.unique("p"))
 NAMES = names(SUFFIX)
 
-app = Celery(f"pile_{SUFFIX}", broker=support.BROKER_URL)
-app.conf.update(
-    task_serializer="json",
-    accept_content=["json"],
-    task_default_queue=NAMES["good"],
-    task_routes={"pile.held": {"queue": NAMES["held"]}},
-)
+def _task(*args: object) -> None:
+    """Never run: the tests only drain."""
 
 
-@app.task(name="pile.held", shared=False)
-def held(*args: object) -> None:
-    """Routed to the refused queue."""
+def route(name: str, args: Any, kwargs: Any, options: Any, task: Any = None,
+          **_: Any) -> dict[str, Any] | None:
+    """The router function: the same routes as the mapping."""
+    return {"queue": NAMES["held"]} if name == "pile.held" else None
 
 
-@app.task(name="pile.good", shared=False)
-def good(*args: object) -> None:
-    """Routed to the default queue."""
+def create(name: str, routes: Any) -> Celery:
+    made = Celery(f"{name}_{SUFFIX}", broker=support.BROKER_URL, set_as_current=False)
+    made.conf.update(task_serializer="json", accept_content=["json"],
+                     task_default_queue=NAMES["good"], task_routes=routes)
+    made.task(name="pile.held", shared=False)(_task)
+    made.task(name="pile.good", shared=False)(_task)
+    return made
+
+
+app = create("pile", {"pile.held": {"queue": NAMES["held"]}})
+by_function = create("pile_function", [route])

@@ -32,7 +32,9 @@ What this module does instead, in three steps:
 most DUE_PER_CYCLE queues per cycle, and a queue still refused is paused
 again with a jittered backoff (drain.daemon.holds): queues refused together do not
 stay due together, and a healthy queue's batch never waits behind a thousand
-declares.
+declares. For the same reason a batch starts its new queues' declares for at
+most DECLARE_BUDGET seconds; the rows of the queues it did not get to stay
+staged for the next batches (pipeline ``_start``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ from drain.postgres.rows import StagedRow
 #: At most this many paused queues are declared again per cycle; the rest stay
 #: due for the next cycles. A declare is one round trip (more with bindings).
 DUE_PER_CYCLE = 32
+#: Seconds of queue declares a batch may start before it publishes: the rows of
+#: the queues left undeclared stay staged for the next batches, which declare
+#: them in turn. 1,000 new queues the broker refuses, one batch's worth, took
+#: 1.5 s to declare (each refusal closes the declare channel: two round trips
+#: more), and held up every other queue's rows meanwhile.
+DECLARE_BUDGET = 0.05
 #: Queues named in one warning for many refused alike.
 SHOWN = 5
 #: Seconds between two chunks of due queues.
@@ -66,9 +74,17 @@ class HeldKeys:
         self.keys: dict[int, tuple[int, int, int]] = {}
         #: The held rows above the marks, as last sent with a fetch (for the look).
         self.above: list[int] = []
+        #: A static app's routes to paused queues: route key (:func:`route_key`) -> queue.
+        self.routes: dict[str, str] = {}
+        #: The route keys whose queue is paused now, as last sent with a fetch.
+        self.held_routes: list[str] = []
 
-    def hold(self, row: StagedRow) -> None:
-        """``row`` is held out of the fetch; a ready row's key is remembered."""
+    def hold(self, row: StagedRow, queue: str, *, by_route: bool = False) -> None:
+        """``row`` is held out of the fetch for ``queue``; a ready row's key is
+        remembered. ``by_route``: the app routes by task name and staged queue only
+        (drain.celery.routing, static routes): every row of that route is held."""
+        if by_route:
+            self.routes[route_key(row)] = queue
         if row.ready:
             self.keys[row.id] = (row.priority, row.xact, row.id)
         else:
@@ -79,6 +95,9 @@ class HeldKeys:
         (:meth:`Holds.held_rows`), less the ready ones below their priority's mark
         in ``plan`` (the marks passed them). Also kept as :attr:`above`."""
         held = holds.held_rows()
+        now = time.monotonic()
+        self.routes = {k: q for k, q in self.routes.items() if q in holds.paused}
+        self.held_routes = [k for k, q in self.routes.items() if holds.paused[q][0] > now]
         if len(self.keys) > len(holds.rows):
             self.keys = {i: k for i, k in self.keys.items() if i in holds.rows}
         marks = dict(zip(plan.priorities, plan.marks, strict=True))
@@ -92,6 +111,13 @@ class HeldKeys:
             out.append(row_id)
         self.above = out
         return out
+
+
+def route_key(row: StagedRow) -> str:
+    """What a static app routes ``row`` by, as ``fetch_batch`` spells it (held_routes):
+    its task name, US, then '*' for a row staged without a queue, else '=' and
+    its queue."""
+    return f"{row.task_name}\x1f{'*' if row.unrouted else '=' + row.queue}"
 
 
 def try_due(holds: Holds, refusals: Refusals, publisher: Publisher,
@@ -144,6 +170,9 @@ class Refusals:
     def __init__(self) -> None:
         #: queue -> the cause it was said under with others.
         self.causes: dict[str, str] = {}
+        #: The causes said for many queues at once: a queue refused alike later
+        #: (the next batch's, say) joins its cause instead of a warning of its own.
+        self.grouped: set[str] = set()
 
     def pause(self, holds: Holds, refused: dict[str, str],
               refused_reason: Callable[[str, str], str]) -> None:
@@ -158,13 +187,15 @@ class Refusals:
             cause = f"declare refused {code}"
             fresh = [q for q in queues if self.causes.get(q) != cause]
             reasons = {q: refused_reason(q, refused[q]) for q in queues}
-            if len(fresh) > 1:
+            if len(fresh) > 1 and cause not in self.grouped:
+                self.grouped.add(cause)
                 shown = ", ".join(repr(q) for q in fresh[:SHOWN])
                 more = f" and {len(fresh) - SHOWN} more" if len(fresh) > SHOWN else ""
                 holds.say(cause, f"broker refused to declare {len(fresh)} queues ({code}): "
                                  f"{shown}{more}; their rows stay staged; retrying each with "
                                  f"backoff, up to {MAX_PAUSE:g}s apart. The first: "
                                  f"{reasons[fresh[0]]}")
+            if cause in self.grouped:
                 self.causes.update(dict.fromkeys(fresh, cause))
             for queue in queues:
                 holds.pause(queue, reasons[queue], cause=self.causes.get(queue))

@@ -110,6 +110,7 @@ class Pipeline:
         self._heads_at = 0.0
         self._expired_at = 0.0
         self._fetched_at = 0.0
+        self._deferred = False
 
     def forget(self) -> None:
         """Drop the batches in flight: their rows stay staged, published again later."""
@@ -136,6 +137,7 @@ class Pipeline:
         if not stopping:  # outside the batch's transaction (drain.daemon.piles)
             piles.try_due(self.holds, self.refusals, self._publisher, self._declare_refused)
         pending, self.inflight = self.inflight, []
+        self._deferred = False
         start_error: BrokerUnavailable | None = None
         results: list[PublishResult] = []
         doomed: list[tuple[int, str, str]] = []
@@ -187,6 +189,8 @@ class Pipeline:
         error = start_error or next((r.error for r in results if r.error), None)
         if error is not None:
             raise error
+        if self._deferred:
+            return limit  # queues left undeclared: no idling before the next batch
         return max(len(rows), len(expired.done) + len(expired.left))
 
     def _collect(self, pending: list[Batch], results: list[PublishResult], *,
@@ -245,7 +249,8 @@ class Pipeline:
         # Back to the start once a skipped queue is resumed, not the moment its
         # pause runs out: a declare tries it first (drain.daemon.piles.try_due).
         marks.paused(list(self.holds.paused))
-        rows = self._store.fetch(limit, exclude, paused, marks.plan(time.monotonic()))
+        rows = self._store.fetch(limit, exclude, paused, marks.plan(time.monotonic()),
+                                 held_routes=self.piles.held_routes)
         now = time.monotonic()
         marks.fetched([row.priority for row in rows if row.ready], now)
         # The marks move on a look at the heads now and then, not per batch:
@@ -254,7 +259,8 @@ class Pipeline:
             self._heads_at = now
             current = marks.current()
             if current.priorities:
-                heads, xmin = self._store.heads(current, paused, self.piles.above)
+                heads, xmin = self._store.heads(current, paused, self.piles.above,
+                                                self.piles.held_routes)
                 marks.observe(heads, xmin, paused)
             marks.observe_timed(*self._store.timed_heads(current))
         self._fetched_at = now
@@ -277,16 +283,22 @@ class Pipeline:
         targets = ([(row, destinations[row.id].queue) for row in rows if row.id in destinations]
                    if self.router is not None else [(row, row.queue) for row in rows])
         paused = set(self.holds.now_paused())
-        refused = self._publisher.declare({queue for _, queue in targets} - paused)
+        wanted = {queue for _, queue in targets} - paused
+        refused = self._publisher.declare(wanted, until=time.monotonic() + piles.DECLARE_BUDGET)
         self.refusals.pause(self.holds, refused, self._declare_refused)
+        # Queues left for the next batches (drain.daemon.piles): their rows stay staged,
+        # and the next cycle follows at once (cycle()).
+        later = self._publisher.undeclared(wanted) - set(refused)
+        self._deferred = bool(later)
         for row, queue in targets:
             self.holds.rows.pop(row.id, None)
             if queue in refused or queue in paused:
                 self.holds.rows[row.id] = queue  # out of the fetch while it is paused
-                self.piles.hold(row)
+                self.piles.hold(row, queue, by_route=self.router is not None
+                                and self.router.static)
                 self._heads_at = 0.0  # the next look lets the marks pass it
         publishable = [(row, queue) for row, queue in targets
-                       if queue not in refused and queue not in paused]
+                       if queue not in refused and queue not in paused and queue not in later]
         if not publishable:
             return None
         self._prove_lock()
