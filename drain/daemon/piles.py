@@ -8,8 +8,17 @@ every fetch made each fetch step over the whole pile and plan a filter of that
 many ids: 73-116 ms to plan and 22-54 ms to run with 50,000 held rows, and the
 pile was walked again each time its queue's pause ran out.
 
-What this module does instead, in three steps:
+What this module does instead:
 
+0. **A static app's rows are held by route.** When the app routes by task
+   name and staged queue only (plain ``task_routes`` mappings:
+   ``AppRouter.static``), every row of a route to a paused queue goes there:
+   :class:`HeldKeys` keeps the route (:func:`route_key`), and the fetch and the
+   look leave out the rows of those routes (``held_routes``), as they leave
+   out a paused staged queue's. From the first batch that held some, the pile
+   is neither fetched nor walked again, and the marks pass it at the next look.
+   A router function may look at the arguments: its rows are held by id, as
+   below.
 1. **The marks pass held rows.** :class:`HeldKeys` remembers the key
    ``(priority, xact, id)`` of each held ready row. The look at the heads
    (``fetch_heads``) steps over the held rows not yet passed, as it steps over
