@@ -14,7 +14,6 @@ them by id; drain.daemon.piles).
 from __future__ import annotations
 
 import os
-
 from typing import Any
 
 from celery import Celery
