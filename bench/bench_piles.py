@@ -8,7 +8,8 @@
   every good row is published. Without ``--app`` the rows are staged with their
   queue; with it (bench/bench_app_piles.py) staged without one, and the app's
   task_routes send them to the refused queue or to the good one, so the drain
-  holds the pile by id (drain.daemon.piles). Reported per variant: the good rows'
+  holds the pile (drain.daemon.piles): by route with a plain mapping
+  (``--app``), by id with a router function (``--app fn``). Reported per variant: the good rows'
   rate with the pile against without it (goal >= 0.8 x), the fetches, their
   mean time and the most ids one fetch left out.
 * ``delete``: the delete of 1,000 confirmed rows above the pile (EXPLAIN
@@ -17,6 +18,11 @@
   healthy queue gets a job every 20 ms for ``--seconds``: each healthy job's
   wait (staged -> deleted after its confirm), the refused declares issued and
   the warnings logged.
+
+* ``queues``: ``--good`` rows over ``--spread`` distinct working queues against
+  the same rows in one queue: the drain's rate (each queue declared once per
+  connection; a batch starts declares for at most DECLARE_BUDGET, the rest wait
+  for the next batches).
 
 ``--smoke`` runs tiny sizes. Prints a table and writes bench/results/piles.json
 (piles-smoke.json with ``--smoke``).
@@ -99,7 +105,7 @@ def delete_queues(*queues: str) -> None:
             channel.queue_delete(queue)
 
 
-def held_round(pile: int, good: int, app: bool, batch: int) -> dict[str, Any]:
+def held_round(pile: int, good: int, app: str, batch: int) -> dict[str, Any]:
     fetches: list[float] = []
     with harness.Setup("piles") as setup:
         url = setup.database()
@@ -107,10 +113,11 @@ def held_round(pile: int, good: int, app: bool, batch: int) -> dict[str, Any]:
         setup.callback(delete_queues, HELD, GOOD)
         stage(url, pile, "bench.held", None if app else HELD)
         stage(url, good, "bench.good", None if app else GOOD)
+        target = {"app": "bench_app_piles:app", "fn": "bench_app_piles:by_function"}
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("VACUUM ANALYZE staged_jobs")
         settings = Settings(database_url=url, broker_url=BROKER_URL, batch_size=batch,
-                            celery_app="bench_app_piles:app" if app else "")
+                            celery_app=target.get(app, ""))
         COUNTS["excluded_max"] = 0
         runner = Drain(settings, on_fetch=lambda seconds, rows: fetches.append(seconds))
         started = time.perf_counter()
@@ -212,6 +219,26 @@ def refused_round(queues: int, seconds: float) -> dict[str, Any]:
             "refused_declares": COUNTS["refused_declares"], "warnings": warnings.count}
 
 
+def spread_round(good: int, queues: int) -> dict[str, Any]:
+    names = [f"bench_piles_s{i}_{TAG}" for i in range(queues)]
+    with harness.Setup("piles") as setup:
+        url = setup.database()
+        setup.callback(delete_queues, *names)
+        with psycopg.connect(url) as conn:
+            drain.stage_many(conn, (drain.Job("bench.good", [i], queue=names[i % queues])
+                                    for i in range(good)))
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("VACUUM ANALYZE staged_jobs")
+        runner = Drain(Settings(database_url=url, broker_url=BROKER_URL))
+        started = time.perf_counter()
+        with harness.running(runner):
+            harness.wait_until(lambda: staged_count(url) == 0, 900,
+                               f"bench_piles: {good} rows over {queues} queues", interval=0.02)
+            elapsed = time.perf_counter() - started
+    return {"queues": queues, "good": good, "seconds": round(elapsed, 3),
+            "rate": round(good / elapsed)}
+
+
 def main() -> int:
     parser = harness.parser(__doc__, rounds=1)
     parser.add_argument("--what", default="held,delete,refused")
@@ -220,9 +247,11 @@ def main() -> int:
     parser.add_argument("--queues", type=int, default=1000)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--batch-size", type=int, default=1000)
+    parser.add_argument("--spread", type=int, default=2000,
+                        help="distinct queues of the queues round (default 2000)")
     args = parser.parse_args()
     if args.smoke:
-        args.pile, args.good, args.queues, args.seconds = 3000, 2000, 20, 2.0
+        args.pile, args.good, args.queues, args.seconds, args.spread = 3000, 2000, 20, 2.0, 50
     what = set(args.what.split(","))
     summary: list[dict[str, Any]] = []
     details: dict[str, Any] = {}
@@ -230,7 +259,7 @@ def main() -> int:
     if "held" in what:
         rounds: list[dict[str, Any]] = []
         for r in range(args.rounds):
-            for app in harness.turns(r, [False, True]):
+            for app in harness.turns(r, ["", "app", "fn"]):
                 for pile in harness.turns(r, [0, args.pile]):
                     rounds.append(held_round(pile, args.good, app, args.batch_size))
                     print(rounds[-1])
@@ -238,15 +267,16 @@ def main() -> int:
         print("\n| --app | pile | good rows/s | fetches | mean fetch ms | most ids left out |")
         print("|---|---:|---:|---:|---:|---:|")
         for x in rounds:
-            print(f"| {'yes' if x['app'] else 'no'} | {x['pile']:,} | {x['rate']:,} | "
+            print(f"| {x['app'] or 'no'} | {x['pile']:,} | {x['rate']:,} | "
                   f"{x['fetches']} | {x['fetch_mean_ms']} | {x['excluded_max']:,} |")
-        for app in (False, True):
+        for app in ("", "app", "fn"):
             rate = {p: statistics.median(x["rate"] for x in rounds
                                          if x["app"] == app and x["pile"] == p)
                     for p in (0, args.pile)}
             ratio = rate[args.pile] / rate[0]
             summary.append(harness.row(
-                f"good rows' rate with {args.pile:,} held rows{' (--app)' if app else ''}",
+                f"good rows' rate with {args.pile:,} held rows"
+                f"{dict(app=' (--app)', fn=' (--app, router function)').get(app, '')}",
                 f">= {GOAL} x without the pile",
                 f"{ratio:.2f} x ({rate[args.pile]:,.0f} vs {rate[0]:,.0f} jobs/s)",
                 ratio >= GOAL))
@@ -270,6 +300,16 @@ def main() -> int:
             f"median {refusals['wait_median_s']} s, max {refusals['wait_max_s']} s; "
             f"{refusals['refused_declares']:,} refused declares, "
             f"{refusals['warnings']:,} warnings", refusals["wait_median_s"] < 0.1))
+    if "queues" in what:
+        spread = [spread_round(args.good, n) for n in (1, args.spread)]
+        details["queues"] = spread
+        ratio = spread[1]["rate"] / spread[0]["rate"]
+        print(f"{args.good:,} rows over 1 / {args.spread:,} queues: "
+              f"{spread[0]['rate']:,} / {spread[1]['rate']:,} jobs/s ({ratio:.2f} x)")
+        summary.append(harness.row(
+            f"{args.good:,} rows over {args.spread:,} queues", "measured (RabbitMQ's cost)",
+            f"{ratio:.2f} x the one-queue rate ({spread[1]['rate']:,} vs "
+            f"{spread[0]['rate']:,} jobs/s)", None))
     harness.write_results("piles", summary, details, smoke=args.smoke)
     return 0
 
