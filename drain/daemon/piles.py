@@ -125,7 +125,8 @@ class HeldKeys:
 def route_key(row: StagedRow) -> str:
     """What a static app routes ``row`` by, as ``fetch_batch`` spells it (held_routes):
     its task name, US, then '*' for a row staged without a queue, else '=' and
-    its queue."""
+    its queue. (A task name holding US itself could match another route's key:
+    such a row would wait for that route's queue, never be lost.)"""
     return f"{row.task_name}\x1f{'*' if row.unrouted else '=' + row.queue}"
 
 
