@@ -19,7 +19,9 @@
 #   make bench      every benchmark in order, then one summary table (bench/summary.py):
 #                   bench-profile (throughput + profile), bench-latency, bench-staging
 #                   (concurrent writers, pgbench), bench-mvcc, bench-memory, bench-lanes,
-#                   bench-priority (starvation); each writes bench/results/<name>.json
+#                   bench-priority (starvation), bench-crashes, bench-paused, bench-curves
+#                   (cost against each pile, docs/curves.png); each writes
+#                   bench/results/<name>.json
 #   make bench-profile  the throughput bench plus one drain round under py-spy: where the
 #                   time goes (py-spy)
 #   make bench-spark  drain backfill vs write.jdbc vs INSERT ... SELECT at 1M and 10M rows, on
@@ -60,7 +62,7 @@ FAST_WORKERS ?= 4
 .PHONY: venv demo-venv services demo test test-fast test-unit test-spark-cluster lint docs
 .PHONY: soak soak-interleavings clean
 .PHONY: bench bench-throughput bench-latency bench-mvcc bench-memory bench-lanes bench-priority
-.PHONY: bench-staging bench-crashes bench-paused
+.PHONY: bench-staging bench-crashes bench-paused bench-piles bench-curves
 .PHONY: bench-profile bench-spark bench-deps bench-smoke
 
 venv: $(STAMP)
@@ -131,7 +133,7 @@ docs: venv
 # earlier run are removed first, so the summary is this run's; a bench that fails shows
 # as "not run" and makes `make bench` fail after the summary.
 BENCHES := bench-profile bench-latency bench-staging bench-mvcc bench-memory bench-lanes \
-	bench-priority bench-crashes bench-paused
+	bench-priority bench-crashes bench-paused bench-piles bench-curves
 
 bench: services bench-deps
 	rm -f bench/results/*.json
@@ -170,6 +172,14 @@ bench-crashes: services bench-deps
 bench-paused: services bench-deps
 	$(BIN)/python bench/bench_paused.py
 
+bench-piles: services bench-deps
+	$(BIN)/python bench/bench_piles.py
+
+# How the cost grows with each pile (backlog, queues, held, refused and locked rows, dead
+# jobs, task names): curves in docs/curves.png, each point a ratio in one run (issue 36).
+bench-curves: services bench-deps
+	$(BIN)/python bench/bench_curves.py --docs-png
+
 bench-priority: services bench-deps
 	$(BIN)/python bench/bench_priority.py
 
@@ -184,7 +194,8 @@ bench-spark: services venv
 
 # Every bench's --smoke mode (what tests/bench/test_smoke.py runs), one at a time; a
 # failing one does not stop the others, and makes the target fail at the end.
-SMOKE_BENCHES := throughput latency staging mvcc memory lanes priority crashes paused spark
+SMOKE_BENCHES := throughput latency staging mvcc memory lanes priority crashes paused piles \
+	curves spark
 
 bench-smoke: services venv
 	@status=0; for name in $(SMOKE_BENCHES); do \

@@ -19,6 +19,7 @@ import contextlib
 import json
 import math
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -240,6 +241,13 @@ def stop(procs: Sequence[subprocess.Popen[Any]], timeout: float = 30.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a drain's metrics server)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def poll(condition: Callable[[], bool], timeout: float, *, interval: float = 0.1) -> bool:

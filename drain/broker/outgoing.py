@@ -2,13 +2,48 @@
 when the broker refuses it, judges (drain.broker.publisher, drain.broker.refusal).
 
 It is bytes and properties with the staged row's id; what they mean (Celery's
-protocol) is drain.celery.message's business, which builds them.
+protocol) is drain.celery.message's business, which builds them. Where it goes
+is also what a pause is keyed by (:class:`PauseKey`, drain.daemon.holds).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+#: The declaration key (:attr:`Message.queue`) of a message for which nothing is
+#: declared (with ``--app``: a ``Broadcast`` route, a route with an exchange and no
+#: queue; drain.celery.routing). RabbitMQ refuses queue names starting with ``amq.``
+#: to clients, so no queue of the app can have it.
+NOTHING_DECLARED = "amq.drain: nothing declared"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, order=True)
+class PauseKey:
+    """What a pause is keyed by: what failed (drain.daemon.holds).
+
+    The declared queue (its declaration key) when one is declared for the
+    message; else, for a route to an exchange with nothing declared, that
+    exchange and routing key.
+    """
+
+    #: The declaration key ("": nothing declared; see ``exchange``).
+    queue: str = ""
+    exchange: str = ""
+    routing_key: str = ""
+
+    @classmethod
+    def of(cls, declared: str, exchange: str, routing_key: str) -> PauseKey:
+        """The key of messages declared as ``declared`` and sent to ``exchange``
+        with ``routing_key``."""
+        if declared and declared != NOTHING_DECLARED:
+            return cls(declared)
+        return cls("", exchange, routing_key)
+
+    def __str__(self) -> str:
+        if self.queue:
+            return f"queue {self.queue!r}"
+        return f"exchange {self.exchange!r} routing key {self.routing_key!r}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -26,7 +61,7 @@ class Message:
     exchange: str = ""
     #: The queue declared for it ("": ``routing_key``, the row's queue).
     queue: str = ""
-    #: The row's ``queue`` column: the unit the drain pauses ("": ``routing_key``).
+    #: The row's ``queue`` column ("": ``routing_key``).
     staged_queue: str = ""
 
     @property
@@ -34,5 +69,6 @@ class Message:
         return self.queue or self.routing_key
 
     @property
-    def pause_key(self) -> str:
-        return self.staged_queue or self.routing_key
+    def pause_key(self) -> PauseKey:
+        """What a nack, return or refusal of this message pauses."""
+        return PauseKey.of(self.declared_queue, self.exchange, self.routing_key)

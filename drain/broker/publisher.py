@@ -55,7 +55,7 @@ import pika
 
 from drain.broker.amqp import EncodedProperties
 from drain.broker.broker_list import BrokerList
-from drain.broker.outgoing import Message
+from drain.broker.outgoing import Message, PauseKey
 from drain.broker.queue_declare import QueueSpec
 from drain.broker.refusal import ACKED, NACKED, RESOLVED, RETURNED, Refusal, RefusalProbingLink
 from drain.errors import BrokerBlocked, BrokerUnavailable, QueueDeclareRefused
@@ -93,22 +93,23 @@ class PublishResult:
     #: Set when the batch ended early (connection lost, confirm timeout);
     #: the confirmed rows are still safe to delete.
     error: BrokerUnavailable | None = None
-    #: The (staged) queues of the returned messages: the drain pauses these.
-    returned_queues: set[str] = dataclasses.field(default_factory=set)
-    #: The queues declared for (the app routed them to) the confirmed messages.
-    confirmed_queues: set[str] = dataclasses.field(default_factory=set)
-    #: Row id -> the queue declared for its returned message.
-    returned_to: dict[int, str] = dataclasses.field(default_factory=dict)
+    #: What the returned messages pause (drain.daemon.holds): their declared queue,
+    #: or their exchange and routing key when nothing is declared for them.
+    returned_keys: set[PauseKey] = dataclasses.field(default_factory=set)
+    #: The pause keys of the confirmed messages: a confirm resumes them.
+    confirmed_keys: set[PauseKey] = dataclasses.field(default_factory=set)
+    #: Row id -> the pause key of its returned message.
+    returned_to: dict[int, PauseKey] = dataclasses.field(default_factory=dict)
     #: Messages the broker refused by closing the channel, and what becomes of
     #: their rows (drain.broker.refusal).
     refused: list[tuple[Message, Refusal]] = dataclasses.field(default_factory=list)
-    #: The (staged) queues of the nacked messages: the drain pauses these.
-    nacked_queues: set[str] = dataclasses.field(default_factory=set)
+    #: The pause keys of the nacked messages: the drain pauses these.
+    nacked_keys: set[PauseKey] = dataclasses.field(default_factory=set)
 
     @property
     def returned_declared(self) -> set[str]:
         """The queues declared for the returned messages: declared again next time."""
-        return set(self.returned_to.values())
+        return {key.queue for key in self.returned_to.values() if key.queue}
 
 
 class Publisher(RefusalProbingLink):
@@ -271,18 +272,18 @@ class Publisher(RefusalProbingLink):
         with contextlib.suppress(ValueError):
             self._inflight.remove(batch)
         status = batch.status
-        returned = [m for i, m in enumerate(batch.messages) if status[i] & RETURNED]
-        confirmed_queues = {
-            m.declared_queue for i, m in enumerate(batch.messages) if status[i] == ACKED
-        }
-        confirmed = [m.row_id for i, m in enumerate(batch.messages) if status[i] == ACKED]
-        nacked = sum(1 for value in status if value & NACKED)
+        messages = batch.messages
+        returned = [m for i, m in enumerate(messages) if status[i] & RETURNED]
         return PublishResult(
-            confirmed, [m.row_id for m in returned], nacked, error,
-            {m.pause_key for m in returned}, confirmed_queues,
-            {m.row_id: m.declared_queue for m in returned},
-            [(batch.messages[i], refusal) for i, refusal in sorted(batch.refusals.items())],
-            {m.pause_key for i, m in enumerate(batch.messages) if status[i] & NACKED},
+            [m.row_id for i, m in enumerate(messages) if status[i] == ACKED],
+            [m.row_id for m in returned],
+            sum(1 for value in status if value & NACKED),
+            error,
+            returned_keys={m.pause_key for m in returned},
+            confirmed_keys={m.pause_key for i, m in enumerate(messages) if status[i] == ACKED},
+            returned_to={m.row_id: m.pause_key for m in returned},
+            refused=[(messages[i], refusal) for i, refusal in sorted(batch.refusals.items())],
+            nacked_keys={m.pause_key for i, m in enumerate(messages) if status[i] & NACKED},
         )
 
     def publish(self, messages: Sequence[Message]) -> PublishResult:

@@ -20,6 +20,7 @@ in the order kombu's ``Queue.declare`` declares them.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -104,18 +105,22 @@ class QueueDeclaringLink(AmqpLink):
         self._declare_channel = None
         super().close()
 
-    def declare(self, queues: set[str]) -> dict[str, str]:
+    def declare(self, queues: set[str], *, until: float | None = None) -> dict[str, str]:
         """Declare (or, passively, check) the queues not declared yet on this connection.
 
         Returns the refused queues with the broker's reason (406 for a queue that
         exists with other arguments, 404 for a missing queue in passive mode).
+        ``until`` (monotonic): start no declare after it, leaving the rest
+        undeclared (:meth:`undeclared`) for a later call; at least one is tried.
         Declares go through a channel of their own, which a refusal closes, so
         the publishing channel and the batches in flight are not disturbed.
         Raises :class:`BrokerUnavailable` when the connection itself fails, and
         :class:`BrokerBlocked` when the broker blocks it before answering.
         """
         refused: dict[str, str] = {}
-        for queue in sorted(queues - self._declared):
+        for n, queue in enumerate(sorted(queues - self._declared)):
+            if until is not None and n and time.monotonic() > until:
+                break
             spec = self._specs(queue)
             if spec.no_declare:
                 self._declared.add(queue)
@@ -169,6 +174,10 @@ class QueueDeclaringLink(AmqpLink):
         raise BrokerUnavailable(
             f"broker at {self._display_url} did not answer a queue declare in time"
         )
+
+    def undeclared(self, queues: set[str]) -> set[str]:
+        """Those of ``queues`` not declared on this connection yet."""
+        return queues - self._declared
 
     def forget(self, queue: str) -> None:
         """Declare ``queue`` again before the next publish to it (it went missing)."""

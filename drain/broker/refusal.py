@@ -23,13 +23,19 @@ What becomes of a culprit (:func:`verdict`):
   no retry can change that; its row goes to dead_jobs, reason ``refused``,
   with the broker's reply text.
 * ``retry``: a 404 on an exchange the drain declares itself for the message's
-  queue (deleted behind its back): the queue is declared again before the next
-  publish to it and the row stays staged, once per queue and connection, so a
-  refusal never makes the drain redeclare in a loop.
+  queue (deleted behind its back): every queue declared with that exchange is
+  forgotten, so it is declared again (exchange, queue and binding) before the
+  next publish to it, and the row stays staged. Every time, not only the first
+  on a connection: what a redeclare cures is never dead-lettered. What keeps
+  that from becoming a loop (an exchange deleted again and again) is the
+  drain's backoff (drain.daemon.holds): a retry that comes again before a
+  message to that queue was confirmed pauses it, longer each time.
 * ``hold``: anything else (403 ACCESS_REFUSED is the drain's permission, not
-  the row's): the row stays staged, its queue is paused with backoff and the
-  error is logged. The other suspects to the same exchange are held with it
-  unprobed (they would be refused alike, each at the cost of a channel).
+  the row's): the row stays staged, its pause key (drain.broker.outgoing.PauseKey)
+  is paused with backoff and the error is logged.
+
+The other suspects to the exchange of a ``retry`` or ``hold`` are resolved
+alike unprobed (they would be refused alike, each at the cost of a channel).
 
 Every refused publish counts in ``drain_publish_refused_total{code}``.
 """
@@ -66,13 +72,14 @@ class Refusal:
     #: The broker's reply, as ``404 NOT_FOUND - no exchange 'x' in vhost '/'``.
     text: str
     #: ``dead`` (to dead_jobs), ``retry`` (staged; queue declared again) or
-    #: ``hold`` (staged; its queue paused).
+    #: ``hold`` (staged; its pause key paused).
     action: str
 
 
 def verdict(code: int, *, redeclare: bool) -> str:
     """What becomes of a refused message: see the module's docstring.
-    ``redeclare``: a 404 that declaring its queue again may cure, not tried yet."""
+    ``redeclare``: a 404 that declaring its queue again cures (an exchange the
+    drain declares itself)."""
     if code == 404 and redeclare:
         return "retry"
     return "dead" if code in DEAD_CODES else "hold"
@@ -82,11 +89,6 @@ class RefusalProbingLink(QueueDeclaringLink):
     """A :class:`QueueDeclaringLink` that can find which suspects the broker refuses."""
 
     _confirm_timeout: float
-
-    def _new_connection(self) -> None:
-        super()._new_connection()
-        #: Queues declared again after a 404 on this connection: never twice.
-        self._redeclared: set[str] = set()
 
     def probe(self, suspects: Sequence[Message],
               resolve: Callable[[int, int, Refusal | None], None]) -> None:
@@ -123,16 +125,21 @@ class RefusalProbingLink(QueueDeclaringLink):
                 channel.channel.close()
 
     def _judge(self, m: Message, exc: pika.exceptions.ChannelClosedByBroker) -> Refusal:
-        queue = m.declared_queue
         ours = (exc.reply_code == 404 and self._declare_mode != "passive"
-                and queue not in self._redeclared
-                and any(b.exchange.name == m.exchange and b.declare_exchange
-                        for b in self._specs(queue).bindings))
+                and self._declares_exchange(m.declared_queue, m.exchange))
         action = verdict(exc.reply_code, redeclare=ours)
         if action == "retry":
-            self._redeclared.add(queue)
-            self.forget(queue)
+            # The exchange went, and every binding to it with it: declare again
+            # each queue declared with it, not only this message's.
+            for queue in {m.declared_queue} | self._declared:
+                if self._declares_exchange(queue, m.exchange):
+                    self.forget(queue)
         return Refusal(exc.reply_code, self._text(exc), action)
+
+    def _declares_exchange(self, queue: str, exchange: str) -> bool:
+        """Whether declaring ``queue`` declares ``exchange`` (never ``''``)."""
+        return bool(exchange) and any(b.exchange.name == exchange and b.declare_exchange
+                                      for b in self._specs(queue).bindings)
 
     def _probe_channel(self) -> _ProbeChannel | None:
         """A new confirm-mode channel, or None when the connection failed."""

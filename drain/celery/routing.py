@@ -56,6 +56,7 @@ from kombu.common import Broadcast
 from kombu.entity import Exchange, Queue
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
+from drain.broker import outgoing
 from drain.broker.queue_declare import BindingSpec, ExchangeSpec, QueueSpec
 from drain.celery import celery_app, encoding
 from drain.celery.message import Destination
@@ -78,9 +79,8 @@ class UnknownTask(Exception):
 
 #: The declaration key (:attr:`Destination.queue`) of a message for which
 #: nothing is declared (a ``Broadcast`` route, a route with an exchange and no
-#: queue). RabbitMQ refuses queue names starting with ``amq.`` to clients, so no
-#: queue of the app can have it.
-NOTHING_DECLARED = "amq.drain: nothing declared"
+#: queue): its pauses are keyed by its exchange and routing key instead.
+NOTHING_DECLARED = outgoing.NOTHING_DECLARED
 
 
 def of_settings(settings: Settings) -> AppRouter | None:

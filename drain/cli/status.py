@@ -32,7 +32,8 @@ def add_parser(sub: Any) -> None:
         description="Show the backlog by queue, tag and task, how long the oldest due job "
         "has waited, dead letters by reason, the database's oldest open transaction (it "
         "keeps vacuum from removing drained rows) and which drain holds the lock. Above "
-        f"{drain_status.ESTIMATE_ABOVE:,} staged rows the counts are estimates, and say so.",
+        f"{drain_status.ESTIMATE_ABOVE:,} staged rows (or dead jobs) the counts are "
+        "estimates, and say so.",
     )
     add_database(p)
     add_lock_key(p)
@@ -129,8 +130,13 @@ def _status_lines(status: dict[str, Any]) -> list[str]:
         if groups > shown:
             lines.append(f"  ... the {shown} biggest of {groups} groups")
     dead_counts = status["dead_by_reason"]
-    lines.append("dead letters: " + (", ".join(f"{reason} {n}" for reason, n in dead_counts.items())
+    about = "~" if status.get("dead_estimated") else ""
+    lines.append("dead letters: " + (", ".join(f"{reason} {about}{n:,}"
+                                               for reason, n in dead_counts.items())
                                      if dead_counts else "none"))
+    if status.get("dead_sample"):
+        lines.append(f"  (estimated from the table statistics; reasons scaled from a "
+                     f"{status['dead_sample']['percent']:g}% sample of its pages)")
     lines.append(f"dead tuples in staged_jobs: {status['dead_tuples']:,}")
     lines.append("oldest transaction: " + _describe_transaction(status["oldest_transaction"]))
     lock = status["lock"]

@@ -1,26 +1,71 @@
-"""Queues whose rows stay staged for a while, and why, said once.
+"""What stays staged for a while, keyed by what failed, and why, said once.
 
-The pipeline (drain.daemon.pipeline) pauses a staged queue when the broker refuses to
-declare where its rows go (406, 403), returns its messages unroutable, nacks
-them or refuses their publish with a code that leaves the row staged
-(drain.broker.refusal): its rows are left out of the fetch with backoff, doubling from
-1 s up to 30 s. The unit paused is the queue the rows go to: the fetch leaves
-out the rows staged with that queue's name and, by id, the rows routed there
-from another staged queue (with ``--app``, every row staged without a queue
-reads as 'celery' and goes where the app routes it): a held row never holds
-back another queue's rows, and a batch full of held rows never hides the rows
-behind them.
+The broker refuses some of what the drain sends in ways that come again if it is
+sent again at once: it refuses to declare a queue (406, 403), returns messages
+unroutable, nacks them (a full queue with ``x-overflow: reject-publish``), or
+refuses their publish with a code that leaves the row staged
+(drain.broker.refusal). Their rows then stay staged for a while, with backoff
+doubling from 1 s up to MAX_PAUSE.
+
+One key for every pause
+-----------------------
+A pause is keyed by what failed, a :class:`drain.broker.outgoing.PauseKey`:
+
+* the declared queue (with ``--app``, its declaration key), when one is
+  declared for the message;
+* else (with ``--app``, a route to an exchange and no queue, a ``Broadcast``)
+  the exchange and routing key it went to: returns for one exchange never hold
+  back the jobs routed to another.
+
+The same key everywhere: the publisher reports nacks, returns, refusals and
+confirms by it (``PublishResult.*_keys``, ``Message.pause_key``); a refused
+declare pauses its queue's key; :meth:`Holds.pause`, :meth:`Holds.hold`,
+:meth:`Holds.resume` and :meth:`Holds.confirmed` take it; the log lines name it
+(``queue 'q'``, ``exchange 'x' routing key 'k'``). So a nack or a return pauses
+only that key, the log names it, a message confirmed for it resumes it, and a
+confirm without a nack or refusal in that batch resets its backoff.
+
+The staged queue (a row's ``queue`` column) is never a key: with ``--app`` the
+rows staged without a queue all read as 'celery' and go wherever the app routes
+them, to many destinations. Pausing the staged queue held back every such job
+for one full queue, named the wrong queue, and never reset its backoff (a
+confirm came for the declared queue).
+
+Leaving held rows out of the fetch
+----------------------------------
+Each row seen going to a paused key is remembered by id (:attr:`Holds.rows`)
+and left out of the fetch by id while that key is paused (:meth:`held_rows`),
+so a held row never holds back the rows behind it or routed elsewhere, and a
+batch full of held rows never hides the rows behind them. Without ``--app`` a
+queue key is also the staged queue (the message goes to the default exchange
+with the row's queue as its routing key): the fetch then also leaves that
+staged queue out by name (drain.postgres.keyset, "Paused queues"). With
+``--app`` nothing is left out by name, but a static app's held rows are left
+out by route (task name and staged queue), and the marks pass the held rows
+(drain.daemon.piles): a pile is walked once, not by every fetch. Either way a
+key whose pause ran out is tried by declaring its queue again (a key with no
+queue is resumed, and its rows fetched again), before the batch's transaction
+and a few at a time (drain.daemon.piles.try_due).
+
+An exchange the drain declares itself that vanishes (404 on publish) is a
+``retry`` (drain.broker.refusal): declared again before the next publish, every
+time, never dead-lettered. Its rows stay staged; a retry that comes again
+before a confirm for that key pauses it (:meth:`Holds.retry`), so an exchange
+deleted over and over costs a publish per backoff step, not a loop.
 
 Each cause is logged once, then at most every REMIND_EVERY seconds while it
 lasts, however often the pause is lifted and set again: a held queue is one
 warning, not one per cycle. The metrics count every refusal
-(``drain_declare_refused_total{code}``, ``drain_publish_refused_total{code}``).
+(``drain_declare_refused_total{code}``, ``drain_publish_refused_total{code}``)
+and every nack and return (``drain_nacked_total``, ``drain_unroutable_total``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+
+from drain.broker.outgoing import PauseKey
 
 log = logging.getLogger("drain.pipeline")
 
@@ -31,69 +76,81 @@ REMIND_EVERY = 600.0
 
 
 class Holds:
-    """The paused staged queues, their backoff, and what was said about them."""
+    """The paused keys, their backoff, the rows held for them, and what was said."""
 
     def __init__(self) -> None:
-        #: queue -> (paused until (monotonic), times paused, last reason)
-        self.paused: dict[str, tuple[float, int, str]] = {}
-        #: queue -> consecutive holds for nacks and refusals, reset by a confirm
-        #: without either.
-        self._held: dict[str, int] = {}
+        #: key -> (paused until (monotonic), times paused, last reason)
+        self.paused: dict[PauseKey, tuple[float, int, str]] = {}
+        #: key -> consecutive holds for nacks, refusals and retries, reset by a
+        #: confirm without either.
+        self.held: dict[PauseKey, int] = {}
         #: cause -> when it was last logged (monotonic).
         self._said: dict[str, float] = {}
-        #: Rows held out of the fetch while the queue they go to is paused: row id
-        #: -> that queue (with ``--app``, rows of one staged queue go to many).
-        self.rows: dict[int, str] = {}
+        #: Rows held out of the fetch while the key they go to is paused: row id
+        #: -> that key.
+        self.rows: dict[int, PauseKey] = {}
 
     def held_rows(self) -> list[int]:
-        """The rows to leave out of the fetch: those whose queue is paused now.
-        Rows whose queue was resumed are forgotten."""
+        """The rows to leave out of the fetch: those whose key is paused now.
+        Rows whose key was resumed are forgotten."""
         now = time.monotonic()
         out = []
-        for row_id, queue in list(self.rows.items()):
-            entry = self.paused.get(queue)
+        for row_id, key in list(self.rows.items()):
+            entry = self.paused.get(key)
             if entry is None:
                 del self.rows[row_id]
             elif entry[0] > now:
                 out.append(row_id)
         return out
 
-    def now_paused(self) -> list[str]:
+    def now_paused(self) -> list[PauseKey]:
         now = time.monotonic()
-        return [queue for queue, (until, _, _) in self.paused.items() if until > now]
+        return [key for key, (until, _, _) in self.paused.items() if until > now]
 
-    def due(self) -> set[str]:
-        """The paused queues whose pause ran out."""
+    def due(self) -> set[PauseKey]:
+        """The paused keys whose pause ran out."""
         now = time.monotonic()
-        return {queue for queue, (until, _, _) in self.paused.items() if until <= now}
+        return {key for key, (until, _, _) in self.paused.items() if until <= now}
 
-    def pause(self, queue: str, reason: str, *, times: int = 0) -> None:
-        """Leave ``queue``'s rows staged for a while (doubling up to MAX_PAUSE, at
-        least as after ``times`` pauses) and say why, once."""
-        _, count, _ = self.paused.get(queue, (0.0, 0, ""))
+    def pause(self, key: PauseKey, reason: str, *, times: int = 0,
+              cause: str | None = None) -> None:
+        """Leave ``key``'s rows staged for a while (doubling up to MAX_PAUSE, at
+        least as after ``times`` pauses) and say why, once per ``cause`` (default:
+        the reason; drain.daemon.piles gives many queues refused alike one cause)."""
+        _, count, _ = self.paused.get(key, (0.0, 0, ""))
         count = max(count, times)
         delay = min(2.0**count, MAX_PAUSE)
-        self.paused[queue] = (time.monotonic() + delay, count + 1, reason)
-        self.say(reason, f"{reason}; retrying queue {queue!r} with backoff, up to "
-                         f"{MAX_PAUSE:g}s apart")
+        self.paused[key] = (time.monotonic() + delay, count + 1, reason)
+        self.say(cause or reason, f"{reason}; retrying {key} with backoff, up to "
+                                  f"{MAX_PAUSE:g}s apart")
 
-    def hold(self, queue: str, reason: str) -> None:
-        """Pause ``queue`` for a publish the broker would refuse or nack again at
+    def hold(self, key: PauseKey, reason: str) -> None:
+        """Pause ``key`` for a publish the broker would refuse or nack again at
         once. A pause ends when the queue can be declared, which says nothing
         here: the backoff grows until a message to it is confirmed."""
-        times = self._held[queue] = self._held.get(queue, 0) + 1
-        self.pause(queue, reason, times=times - 1)
+        times = self.held[key] = self.held.get(key, 0) + 1
+        self.pause(key, reason, times=times - 1)
 
-    def resume(self, queues: set[str]) -> None:
-        for queue in queues & set(self.paused):
-            del self.paused[queue]
-            log.info("queue %r: publishing again", queue)
+    def retry(self, key: PauseKey, reason: str) -> None:
+        """``key``'s publish was refused in a way a redeclare cures: publish again
+        at once the first time, with backoff (as :meth:`hold`) when it comes again
+        before a message to ``key`` was confirmed."""
+        times = self.held[key] = self.held.get(key, 0) + 1
+        if times > 1:
+            self.pause(key, reason, times=times - 2)
+        else:
+            self.say(reason, f"{reason}; declaring {key} again")
 
-    def confirmed(self, queues: set[str]) -> None:
-        """Messages to ``queues`` were confirmed without a nack or refusal: their
+    def resume(self, keys: set[PauseKey]) -> None:
+        for key in sorted(keys & set(self.paused)):
+            del self.paused[key]
+            log.info("%s: publishing again", key)
+
+    def confirmed(self, keys: set[PauseKey]) -> None:
+        """Messages to ``keys`` were confirmed without a nack or refusal: their
         hold count starts afresh."""
-        for queue in queues:
-            self._held.pop(queue, None)
+        for key in keys:
+            self.held.pop(key, None)
 
     def say(self, cause: str, text: str) -> None:
         """Log ``text`` as a warning, unless ``cause`` was logged less than

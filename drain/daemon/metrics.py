@@ -155,7 +155,8 @@ class Metrics:
             "How long the oldest due row has waited: since it was staged, or since its "
             "not_before for delayed rows (sampled; 0 when nothing is due).")
         self.dead_jobs = gauge(
-            "drain_dead_jobs_rows", "Rows in dead_jobs now, by reason (sampled).", ("reason",))
+            "drain_dead_jobs_rows", "Rows in dead_jobs now, by reason (sampled; scaled from a "
+            "table sample above 100,000 rows, as the backlog).", ("reason",))
         self.oldest_transaction = gauge(
             "drain_oldest_transaction_age_seconds",
             "Age of the oldest open transaction in the database (sampled; other roles' "

@@ -6,9 +6,10 @@ session: move expired rows to dead_jobs (when due), fetch up to ``batch_size``
 rows from the low-water marks (drain.postgres.keyset), build and publish them (a row
 that can never become a message goes to dead_jobs), and delete exactly the rows
 whose messages the broker confirmed, up to ``pipeline`` batches later. It also
-keeps the queues the broker refuses paused (their rows stay staged) and counts
-what was published. Connections, the lock, failures and idling are the loop's
-business (drain.daemon.runner); the pipeline only raises.
+keeps paused what the broker refuses, keyed by what failed (drain.daemon.holds,
+drain.daemon.answers: their rows stay staged) and counts what was published.
+Connections, the lock, failures and idling are the loop's business
+(drain.daemon.runner); the pipeline only raises.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from drain.broker.outgoing import Message
+from drain.broker.outgoing import Message, PauseKey
 from drain.broker.publisher import Batch, Publisher, PublishResult
 from drain.celery import message, unsendable
 from drain.celery.message import Destination
 from drain.celery.routing import AppRouter, UnknownTask
+from drain.daemon import piles
+from drain.daemon.answers import Answers
 from drain.daemon.holds import Holds
 from drain.daemon.metrics import Metrics
 from drain.daemon.settle import Settle
@@ -33,7 +36,6 @@ from drain.errors import (
     BrokerBlocked,
     BrokerUnavailable,
     DatabaseUnavailable,
-    QueueDeclareRefused,
 )
 from drain.postgres import keyset
 from drain.postgres.conflicts import Settled
@@ -96,8 +98,15 @@ class Pipeline:
         #: Batches published and not yet settled, oldest first (at most
         #: ``settings.pipeline - 1`` between cycles).
         self.inflight: list[Batch] = []
-        #: The staged queues left out of the fetch for a while, and why (drain.daemon.holds).
+        #: What stays staged for a while, keyed by what failed, and why (drain.daemon.holds).
         self.holds = Holds()
+        #: What the broker's refusals, nacks and returns do to the holds.
+        self.answers = Answers(self.holds, metrics, declare_mode=settings.queue_declare,
+                               forget=publisher.forget)
+        #: Which held rows the marks passed (drain.daemon.piles).
+        self.piles = piles.HeldKeys()
+        #: Many queues refused alike are one warning (drain.daemon.piles).
+        self.refusals = piles.Refusals()
         #: Rows the broker confirmed, this process's lifetime.
         self.published = 0
         #: Removes rows only as they were read; holds out the ones that keep changing.
@@ -105,6 +114,7 @@ class Pipeline:
         self._heads_at = 0.0
         self._expired_at = 0.0
         self._fetched_at = 0.0
+        self._deferred = False
 
     def forget(self) -> None:
         """Drop the batches in flight: their rows stay staged, published again later."""
@@ -128,7 +138,11 @@ class Pipeline:
         SETTLE_TIMEOUT to be confirmed (abandoning them is safe: their rows stay
         staged).
         """
+        if not stopping:  # outside the batch's transaction (drain.daemon.piles)
+            piles.try_due(self.holds, self.refusals, self._publisher,
+                          self.answers.refused_reason)
         pending, self.inflight = self.inflight, []
+        self._deferred = False
         start_error: BrokerUnavailable | None = None
         results: list[PublishResult] = []
         doomed: list[tuple[int, str, str]] = []
@@ -136,9 +150,10 @@ class Pipeline:
         limit = self.settings.batch_size
         expired = Settled()
         # Left out of the fetch and the expiry: the rows in flight, and the rows
-        # held out after they changed under the drain (drain.postgres.conflicts).
+        # held out after they changed under the drain (drain.postgres.conflicts), and the
+        # rows held for a paused queue that the marks did not pass (drain.daemon.piles).
         exclude = [row_id for batch in pending for row_id in batch.row_ids]
-        exclude += self.settle.held() + self.holds.held_rows()
+        exclude += self.settle.held() + self.piles.held_out(self.holds, self.marks.current())
         try:
             # The marks move only once the batch committed (drain.postgres.keyset, "Only what
             # committed moves a mark"): a rolled-back batch's expired rows come back.
@@ -179,6 +194,8 @@ class Pipeline:
         error = start_error or next((r.error for r in results if r.error), None)
         if error is not None:
             raise error
+        if self._deferred:
+            return limit  # queues left undeclared: no idling before the next batch
         return max(len(rows), len(expired.done) + len(expired.left))
 
     def _collect(self, pending: list[Batch], results: list[PublishResult], *,
@@ -214,7 +231,6 @@ class Pipeline:
         # at once) and fetch once they are gone.
         if found >= limit:
             return expired, []
-        self._try_paused()  # a broker round trip: not part of the fetch's time
         return expired, self._fetch(limit, exclude)
 
     def _wait(self, batch: Batch, timeout: float | None = None) -> PublishResult:
@@ -234,9 +250,17 @@ class Pipeline:
         """Fetch the next batch and move the low-water marks (drain.postgres.keyset)."""
         started = time.perf_counter()
         marks = self.marks  # with --fetch-strategy head they plan from the head, keep none
-        paused = self.holds.now_paused()
-        marks.paused(paused)
-        rows = self._store.fetch(limit, exclude, paused, marks.plan(time.monotonic()))
+        now_paused = self.holds.now_paused()
+        # Without --app a paused queue is also the staged queue: left out by name too.
+        names = ([] if self.router is not None else
+                 sorted(key.queue for key in now_paused if key.queue))
+        # The marks skip the paused keys' rows (by name, by route, held by id), and go
+        # back to the start once one is resumed, not the moment its pause runs out: a
+        # declare tries it first (drain.daemon.piles.try_due).
+        skipped = sorted(key.queue or str(key) for key in now_paused)
+        marks.paused(sorted(key.queue or str(key) for key in self.holds.paused))
+        rows = self._store.fetch(limit, exclude, names, marks.plan(time.monotonic()),
+                                 held_routes=self.piles.held_routes)
         now = time.monotonic()
         marks.fetched([row.priority for row in rows if row.ready], now)
         # The marks move on a look at the heads now and then, not per batch:
@@ -245,8 +269,9 @@ class Pipeline:
             self._heads_at = now
             current = marks.current()
             if current.priorities:
-                heads, xmin = self._store.heads(current, paused)
-                marks.observe(heads, xmin, paused)
+                heads, xmin = self._store.heads(current, names, self.piles.above,
+                                                self.piles.held_routes)
+                marks.observe(heads, xmin, skipped)
             marks.observe_timed(*self._store.timed_heads(current))
         self._fetched_at = now
         elapsed = time.perf_counter() - started
@@ -256,27 +281,41 @@ class Pipeline:
         return rows
 
     def _start(self, rows: list[StagedRow], doomed: list[tuple[int, str, str]]) -> Batch | None:
-        """Declare the rows' queues and publish the rows whose queues were accepted.
+        """Declare the rows' queues and publish the rows whose keys are not paused.
 
-        With an app, each row goes to the queue the app routes it to; a refused
-        queue pauses the staged queues of the rows routed to it (the unit the
-        fetch leaves out). A row the broker could never accept is not even routed
-        (drain.celery.unsendable)."""
+        With an app, each row goes where the app routes it; a refused declare
+        pauses that queue's key (drain.daemon.holds), and the rows routed to a
+        paused key are held out of the fetch by id. A row the broker could never
+        accept is not even routed (drain.celery.unsendable)."""
         rows = unsendable.screen(rows, doomed, time.time())
         destinations = self._route(rows, doomed) if self.router is not None else {}
-        # Each row with the queue it goes to, worked out once.
-        targets = ([(row, destinations[row.id].queue) for row in rows if row.id in destinations]
-                   if self.router is not None else [(row, row.queue) for row in rows])
+        # Each row with the queue declared for it and its pause key, worked out once.
+        targets: list[tuple[StagedRow, str, PauseKey]] = []
+        for row in rows:
+            if self.router is None:
+                targets.append((row, row.queue, PauseKey(row.queue)))
+            elif row.id in destinations:
+                where = destinations[row.id]
+                targets.append((row, where.queue,
+                                PauseKey.of(where.queue, where.exchange, where.routing_key)))
         paused = set(self.holds.now_paused())
-        refused = self._publisher.declare({queue for _, queue in targets} - paused)
-        for queue, reason in refused.items():
-            self.holds.pause(queue, self._declare_refused(queue, reason))
-        for row, queue in targets:
+        wanted = {queue for _, queue, key in targets if key not in paused}
+        refused = self._publisher.declare(wanted, until=time.monotonic() + piles.DECLARE_BUDGET)
+        self.refusals.pause(self.holds, refused, self.answers.refused_reason)
+        # Queues left for the next batches (drain.daemon.piles): their rows stay staged,
+        # and the next cycle follows at once (cycle()).
+        later = self._publisher.undeclared(wanted) - set(refused)
+        self._deferred = bool(later)
+        paused = set(self.holds.now_paused())
+        by_route = self.router is not None and self.router.static
+        for row, _, key in targets:
             self.holds.rows.pop(row.id, None)
-            if queue in refused or queue in paused:
-                self.holds.rows[row.id] = queue  # out of the fetch while it is paused
-        publishable = [(row, queue) for row, queue in targets
-                       if queue not in refused and queue not in paused]
+            if key in paused:
+                self.holds.rows[row.id] = key  # out of the fetch while it is paused
+                self.piles.hold(row, key, by_route=by_route)
+                self._heads_at = 0.0  # the next look lets the marks pass it
+        publishable = [(row, queue) for row, queue, key in targets
+                       if key not in paused and queue not in later]
         if not publishable:
             return None
         self._prove_lock()
@@ -362,85 +401,19 @@ class Pipeline:
                 tracing.sent(traced, len(built.body))
             yield built
 
-    # -- queues the broker refuses (drain.daemon.holds) --------------------------------------
+    # -- what the broker refuses (drain.daemon.holds, drain.daemon.answers) ----------------
 
     @property
-    def paused(self) -> dict[str, tuple[float, int, str]]:
-        """queue -> (paused until (monotonic), times paused, last reason)."""
+    def paused(self) -> dict[PauseKey, tuple[float, int, str]]:
+        """key -> (paused until (monotonic), times paused, last reason)."""
         return self.holds.paused
-
-    def _try_paused(self) -> None:
-        """Declare again the paused queues whose pause ran out: resume the ones the
-        broker accepts now, pause the others for longer.
-
-        Trying a queue by declaring it, not by fetching its rows, keeps the marks
-        past those rows (drain.postgres.keyset, "Paused queues") while the broker still
-        refuses it: a fetch never steps over the pile just to find that out.
-        """
-        if self.router is not None:
-            # Staged queues are not the app's queues: a paused one is fetched again
-            # once its pause ran out, routed, and declared (or paused for longer).
-            return
-        due = self.holds.due()
-        if not due:
-            return
-        try:
-            refused = self._publisher.declare(due)
-        except BrokerBlocked:
-            return  # tried again after the alarm
-        for queue in sorted(due):
-            if queue in refused:
-                self.holds.pause(queue, self._declare_refused(queue, refused[queue]))
-        self.holds.resume(due - set(refused))
-
-    def _declare_refused(self, queue: str, reason: str) -> str:
-        """Count a refused declare (by the broker's reply code) and say what it means."""
-        code = reason.split(" ", 1)[0]
-        self.metrics.declare_refused.labels(code if code.isdigit() else "other").inc()
-        return str(QueueDeclareRefused(queue, reason, self.settings.queue_declare))
-
-    def _refused(self, result: PublishResult) -> set[str]:
-        """Count and say what the broker refused (drain.broker.refusal): dead-lettered rows
-        went to dead_jobs with the batch; held rows pause their queue. Returns the
-        queues paused."""
-        held: dict[str, str] = {}
-        for m, refusal in result.refused:
-            self.metrics.publish_refused.labels(str(refusal.code)).inc()
-            if refusal.action == "hold":
-                self.holds.rows[m.row_id] = m.declared_queue
-                held.setdefault(m.declared_queue, f"broker refused a publish to exchange "
-                                f"{m.exchange!r}: {refusal.text}; its rows stay staged")
-            else:
-                self.holds.say(f"{refusal.action} {refusal.text}", (
-                    f"broker refused a publish ({refusal.text}): " + (
-                        "moved to dead_jobs (reason 'refused')" if refusal.action == "dead"
-                        else "its row stays staged; declaring its queue again")))
-        for queue, reason in sorted(held.items()):
-            self.holds.hold(queue, reason)
-        return set(held)
 
     def _account(self, result: PublishResult) -> None:
         self.published += len(result.confirmed)
         self.metrics.published.inc(len(result.confirmed))
         self.metrics.unroutable.inc(len(result.returned))
         self.metrics.nacked.inc(result.nacked)
-        confirmed = result.confirmed_queues
-        self.holds.resume(confirmed - result.returned_declared)
-        for queue in sorted(result.returned_declared):
-            # Unroutable: nothing bound to it (deleted behind our back?). Declare
-            # it again next time; meanwhile its rows stay staged.
-            self._publisher.forget(queue)
-            self.holds.pause(queue, f"messages to queue {queue!r} came back unroutable (no "
-                                    "queue bound); their rows stay staged")
-        self.holds.rows.update(result.returned_to)
-        if result.nacked:
-            log.warning("broker nacked %d message(s); their rows stay staged", result.nacked)
-        for queue in sorted(result.nacked_queues):
-            # Nacked again if published again at once (a full queue with
-            # x-overflow reject-publish): with backoff, not in a loop.
-            self.holds.hold(queue, f"the broker nacks messages to queue {queue!r} (full, "
-                                   "with x-overflow reject-publish?); their rows stay staged")
-        self.holds.confirmed(confirmed - self._refused(result) - result.nacked_queues)
+        self.answers.settle(result)
         if self._on_cycle is not None:
             self._on_cycle(len(result.confirmed) + len(result.returned) + result.nacked,
                            len(result.confirmed))

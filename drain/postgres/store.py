@@ -185,23 +185,30 @@ class Store(Session):
         exclude: list[int] | None = None,
         paused: list[str] | None = None,
         plan: keyset.FetchPlan | None = None,
+        *,
+        held_routes: list[str] | None = None,
     ) -> list[StagedRow]:
         """The next ``limit`` due rows, leaving out ``exclude`` (rows in flight),
-        the rows of ``paused`` queues and other lanes' rows; ``plan`` says where
-        each priority's scan starts (None: from the head)."""
-        params = fetch_params(limit, exclude=exclude, paused=paused, plan=plan, **self._lane)
+        the rows of ``paused`` queues, the rows of ``held_routes`` (drain.daemon.piles)
+        and other lanes' rows; ``plan`` says where each priority's scan starts
+        (None: from the head)."""
+        params = fetch_params(limit, exclude=exclude, paused=paused, plan=plan,
+                              held_routes=held_routes, **self._lane)
         cur = self._execute("fetch_batch", params)
         return [StagedRow(*row) for row in cur.fetchall()]  # type: ignore[arg-type]
 
     def heads(
-        self, plan: keyset.FetchPlan, paused: list[str] | None = None
+        self, plan: keyset.FetchPlan, paused: list[str] | None = None,
+        held: list[int] | None = None, held_routes: list[str] | None = None,
     ) -> tuple[dict[int, tuple[int, int] | None], int]:
         """For :meth:`keyset.Marks.observe`: each marked priority's smallest staged
-        ``(xact, id)`` at or above its mark outside the ``paused`` queues, and this
+        ``(xact, id)`` at or above its mark outside the ``paused`` queues and the
+        ``held`` rows (held for a paused queue: drain.daemon.piles), and this
         snapshot's xmin."""
         row = self._execute("fetch_heads", {
             "priorities": plan.priorities, "mark_xacts": plan.mark_xacts,
-            "mark_ids": plan.mark_ids, "paused": paused or [],
+            "mark_ids": plan.mark_ids, "paused": paused or [], "held": held or [],
+            "held_routes": held_routes or [],
             **self._lane,
         }).fetchone()
         assert row is not None
@@ -338,6 +345,7 @@ def fetch_params(
     exclude: list[int] | None = None,
     paused: list[str] | None = None,
     plan: keyset.FetchPlan | None = None,
+    held_routes: list[str] | None = None,
     lanes: int = 1,
     lane: int = 0,
 ) -> dict[str, object]:
@@ -345,6 +353,7 @@ def fetch_params(
     plan = plan or keyset.FROM_HEAD
     return {
         "limit": limit, "exclude": exclude or [], "paused": paused or [],
+        "held_routes": held_routes or [],
         "priorities": plan.priorities, "mark_xacts": plan.mark_xacts,
         "mark_ids": plan.mark_ids,
         "gap_above": plan.gap_above, "gap_below": plan.gap_below,

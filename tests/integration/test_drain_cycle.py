@@ -16,6 +16,7 @@ import pytest
 
 import drain
 from drain.broker import corked
+from drain.broker.outgoing import PauseKey
 from drain.daemon.runner import State
 from tests import support
 
@@ -180,7 +181,8 @@ def test_a_refused_queue_is_retried_with_backoff_and_logged_once(
     _stage(db_url, queue, 1)
     caplog.set_level(logging.DEBUG, logger="drain")
     running = start_drain(db_url)
-    support.wait_for(lambda: running.drain.pipeline.paused.get(queue, (0, 0, ""))[1] >= 3, 30,
+    paused = running.drain.pipeline.paused
+    support.wait_for(lambda: paused.get(PauseKey(queue), (0, 0, ""))[1] >= 3, 30,
                      "three refused declares")
     assert len(_logged(caplog, "refused")) == 1, "an unchanged refusal is logged once"
     # Fix the queue: the drain declares it again, delivers, and says so.

@@ -21,6 +21,7 @@ import psycopg
 import pytest
 
 import drain
+from drain.broker.outgoing import PauseKey
 from drain.broker.publisher import Publisher
 from drain.celery import message
 from drain.daemon import pipeline, runner
@@ -73,7 +74,7 @@ def test_a_return_is_matched_to_its_own_publish_not_to_a_task_id(
     assert result_k1.returned == [11]
     assert 11 not in result_k1.confirmed, "a returned message counted as confirmed"
     assert sorted(result_k1.confirmed) == list(range(12, 21))
-    assert result_k1.returned_queues == {other_queue}
+    assert result_k1.returned_keys == {PauseKey(other_queue)}
     assert sorted(support.task_ids(support.drain_queue(queue))).count(str(shared)) == 1
 
 

@@ -6,7 +6,7 @@ costs only itself; the connection is kept and its next batches flow.
 * 406, a message over RabbitMQ's ``max_message_size`` (128 MiB on 3.x);
 * 403, a user without write permission on one exchange: held, not dead;
 * 404 on an exchange the drain declares for the queue, deleted behind its
-  back: declared again once per connection, not in a loop;
+  back: declared again every time, never dead-lettered;
 * a nack (a full queue with ``x-overflow: reject-publish``): that row is
   published again with backoff, not in a loop.
 """
@@ -23,7 +23,7 @@ import psycopg
 import pytest
 
 import drain
-from drain.broker.outgoing import Message
+from drain.broker.outgoing import Message, PauseKey
 from drain.broker.publisher import Publisher, PublishResult
 from drain.broker.queue_declare import BindingSpec, ExchangeSpec, QueueSpec
 from drain.celery import message
@@ -170,7 +170,7 @@ def test_a_permission_refusal_holds_the_rows_of_that_exchange(
     assert "ACCESS_REFUSED" in result.refused[0][1].text
 
 
-def test_an_exchange_deleted_behind_the_drains_back_is_declared_again_once(
+def test_an_exchange_deleted_behind_the_drains_back_is_declared_again_every_time(
     queue: str, exchange: str
 ) -> None:
     def spec(name: str) -> QueueSpec:
@@ -191,18 +191,19 @@ def test_an_exchange_deleted_behind_the_drains_back_is_declared_again_once(
                            _message(2, queue, exchange))
         delete_exchange()
         again = _publish(pub, queue, _message(3, queue, exchange))
-        assert pub.declare({queue}) == {}
-        with support.broker_channel() as ch, pytest.raises(
-                pika.exceptions.ChannelClosedByBroker, match="404"):
-            ch.exchange_declare(exchange, passive=True)  # not declared a second time
+        assert pub.declare({queue}) == {}  # forgotten again: declared a second time
+        with support.broker_channel() as ch:
+            ch.exchange_declare(exchange, passive=True)
+        after = _publish(pub, queue, _message(3, queue, exchange))
     finally:
         pub.close()
     assert _refused(refused) == [(1, 404, "retry"), (2, 404, "retry")]
     assert refused.confirmed == []
     assert sorted(flowing.confirmed) == [1, 2]
-    # Once per queue and connection: the second time the row is dead-lettered,
-    # and the queue is not forgotten (no redeclare loop).
-    assert _refused(again) == [(3, 404, "dead")]
+    # Every time, not once per connection: what a redeclare cures is never
+    # dead-lettered (the drain's backoff keeps it from a loop: drain.daemon.holds).
+    assert _refused(again) == [(3, 404, "retry")]
+    assert after.confirmed == [3]
 
 
 def test_a_drain_without_write_permission_holds_its_rows_and_says_so(
@@ -224,7 +225,7 @@ def test_a_drain_without_write_permission_holds_its_rows_and_says_so(
             assert support.staged_count(db_url) == 10
             # Paused once per batch, not once per row (that made it 2**10 s, capped
             # at 30 s), and longer each time until a message to it is confirmed.
-            assert running.drain.pipeline.paused[queue][1] <= 3
+            assert running.drain.pipeline.paused[PauseKey(queue)][1] <= 3
             assert metrics.get_sample_value("drain_dead_lettered_total",
                                             {"reason": "refused"}) == 0
             rabbitmqctl("set_permissions", "-p", support.BROKER_VHOST, user, ".*", ".*", ".*")
@@ -261,7 +262,7 @@ def test_a_nacked_row_is_retried_with_backoff_not_in_a_loop(
         metrics = running.drain.metrics.registry
         support.wait_for(lambda: metrics.get_sample_value("drain_nacked_total"), 30, "a nack")
         support.wait_for(lambda: support.staged_count(db_url) == 1, 30, "the other rows")
-        assert queue in running.drain.pipeline.paused
+        assert PauseKey(queue) in running.drain.pipeline.paused
         delivered = support.drain_queue(queue)  # room: the row may follow at once
         assert delivered[0][2] == b"filler"
         support.wait_for(lambda: support.staged_count(db_url) == 0, 60, "the nacked row")

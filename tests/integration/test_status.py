@@ -95,3 +95,45 @@ def test_the_oldest_row_and_the_sample_do_not_scan_the_table(db_url: str) -> Non
         nodes = _explain(conn, "backlog_groups_sample", {"percent": 1.0})
         assert [n["Node Type"] for n in nodes if n.get("Relation Name") == "staged_jobs"] \
             == ["Sample Scan"]
+
+
+def _bury(db_url: str, reasons: dict[str, int]) -> None:
+    """Rows straight into dead_jobs, ``{reason: count}``."""
+    with psycopg.connect(db_url) as conn:
+        for reason, n in reasons.items():
+            conn.execute(
+                "INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, priority, "
+                "staged_at, reason) SELECT g, gen_random_uuid(), 't', '[]', '{}', 0, now(), %s "
+                "FROM generate_series(1, %s) g", (reason, n))
+
+
+def _dead_rows_known(db_url: str, n: int) -> bool:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        row = conn.execute("SELECT n_live_tup FROM pg_stat_user_tables "
+                           "WHERE relname = 'dead_jobs'").fetchone()
+        return row is not None and row[0] == n
+
+
+def test_dead_jobs_exact_below_the_threshold_estimated_above(db_url: str) -> None:
+    """A table of dead jobs is counted by reason exactly while small; above the threshold
+    the counts are scaled from a block sample, so a status read (and each metrics
+    sample) stays cheap however many jobs died (bench/bench_curves.py, curve dead)."""
+    _bury(db_url, {"expired": 3000, "invalid": 1000})
+    support.wait_for(lambda: _dead_rows_known(db_url, 4000), 30, "n_live_tup = 4000")
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        exact = drain_status.read(conn, 1)
+        row = conn.execute("SELECT pg_relation_size('dead_jobs') / 8192").fetchone()
+        assert row is not None
+        pages = int(row[0])
+        estimated = drain_status.read(conn, 1, estimate_above=1000, sample_pages=pages // 2)
+        nodes = _explain(conn, "dead_by_reason_sample", {"percent": 1.0})
+    assert exact["dead_by_reason"] == {"expired": 3000, "invalid": 1000}
+    assert exact["dead_estimated"] is False and exact["dead_sample"] is None
+    assert estimated["dead_estimated"] is True
+    assert estimated["dead_sample"]["percent"] == round(100.0 * (pages // 2) / pages, 3)
+    counts = estimated["dead_by_reason"]
+    # Scaled to the statistics' estimate: they add up to it, give or take rounding.
+    assert set(counts) <= {"expired", "invalid"} and abs(sum(counts.values()) - 4000) <= 2
+    assert [n["Node Type"] for n in nodes if n.get("Relation Name") == "dead_jobs"] \
+        == ["Sample Scan"]
+    json.dumps(estimated)

@@ -13,6 +13,7 @@ import pytest
 from celery.utils.saferepr import saferepr
 
 from drain.broker import amqp
+from drain.broker.outgoing import PauseKey
 from drain.celery import encoding, message
 from drain.postgres.rows import StagedRow
 
@@ -205,7 +206,7 @@ def test_destination_options_encode_as_pika_does() -> None:
             pika.BasicProperties(headers=fast.headers, **fast.properties).encode()
         )
         assert (fast.exchange, fast.routing_key, fast.declared_queue, fast.pause_key) == (
-            destination.exchange, f"rk.{i}", f"q{i}", row.queue)
+            destination.exchange, f"rk.{i}", f"q{i}", PauseKey(f"q{i}"))
         assert fast.headers["timelimit"] == list(destination.timelimit)
         assert fast.headers["ignore_result"] is destination.ignore_result
         if row.priority > 0:  # the row's own, as apply_async(priority=...) sends it

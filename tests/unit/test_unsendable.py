@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 
+from drain.broker.outgoing import PauseKey
 from drain.celery import unsendable
 from drain.daemon import holds
 from drain.limits import MAX_EXPIRES
@@ -65,14 +66,17 @@ def test_an_unreadable_timestamp_is_the_nearest_datetime_and_shows_its_text(
     assert timestamps.unreadable(bound) is None
 
 
+CELERY = PauseKey("celery")
+
+
 def test_a_cause_is_said_once_however_often_the_queue_is_paused(
         caplog: pytest.LogCaptureFixture) -> None:
     held = holds.Holds()
     with caplog.at_level(logging.WARNING, logger="drain.pipeline"):
         for _ in range(5):
-            held.pause("celery", "broker refused to declare queue 'c': 406")
-            held.resume({"celery"})
-        held.pause("celery", "messages to queue 'u' came back unroutable")
+            held.pause(CELERY, "broker refused to declare queue 'c': 406")
+            held.resume({CELERY})
+        held.pause(CELERY, "messages to queue 'u' came back unroutable")
     assert [r.getMessage().split(";")[0] for r in caplog.records] == [
         "broker refused to declare queue 'c': 406",
         "messages to queue 'u' came back unroutable"]
@@ -80,8 +84,8 @@ def test_a_cause_is_said_once_however_often_the_queue_is_paused(
 
 def test_rows_are_held_out_while_their_queue_is_paused() -> None:
     held = holds.Holds()
-    held.pause("c", "refused")
-    held.rows.update({1: "c", 2: "c"})
+    held.pause(PauseKey("c"), "refused")
+    held.rows.update({1: PauseKey("c"), 2: PauseKey("c")})
     assert sorted(held.held_rows()) == [1, 2]
-    held.resume({"c"})
+    held.resume({PauseKey("c")})
     assert held.held_rows() == [] and held.rows == {}

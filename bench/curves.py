@@ -1,0 +1,340 @@
+"""bench_curves' points: each one a fresh database, a pile staged by SQL, and one figure.
+
+Every point stages ``good`` jobs for a queue that works (``bench.flowing``) after
+its pile, runs an in-process drain and times how long those take to reach their
+queue: the rate the rest of the work keeps while a pile sits in the table. The
+piles are staged by one ``INSERT ... SELECT`` (millions of rows in seconds), then
+``VACUUM ANALYZE``, as a table that has been there a while would be.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import curves_app
+import harness
+import psycopg
+from harness import BROKER_URL, broker_channel, staged_count
+from pika.adapters.select_connection import SelectConnection
+
+from drain.broker.amqp import EncodedProperties
+from drain.celery import message
+from drain.daemon.runner import Drain
+from drain.postgres import status as drain_status
+from drain.postgres.rows import StagedRow
+from drain.settings.config import Settings
+from drain.settings.urls import broker_parameters
+
+PILE, GOOD = "bench.pile", "bench.flowing"
+#: Raw pika's confirm windows, the best of which is the baseline.
+WINDOWS = (1000, 5000)
+#: Seconds a point may take (the drain publishing the good jobs), else it is recorded
+#: as not done.
+TIMEOUT = 300.0
+
+
+def sql_stage(url: str, n: int, queue: str | None, task: str, *, queues: int = 1,
+              tasks: int = 1, tags: int = 0) -> None:
+    """``n`` rows in one statement: for ``queue`` (None: no queue given), spread over
+    ``queues`` queues ``<queue>_<i>`` when more than one, ``tasks`` task names
+    ``<task>.<i>`` and ``tags`` tags when more than one (0: no tag)."""
+    if n <= 0:
+        return
+    with psycopg.connect(url) as conn:
+        conn.execute(
+            "INSERT INTO staged_jobs (task_name, args, queue, tag) "
+            "SELECT CASE WHEN %(tasks)s > 1 THEN %(task)s || '.' || (i %% %(tasks)s) "
+            "            ELSE %(task)s END, "
+            "       jsonb_build_array(i), "
+            "       CASE WHEN %(queues)s > 1 THEN %(queue)s || '_' || (i %% %(queues)s) "
+            "            ELSE %(queue)s END, "
+            "       CASE WHEN %(tags)s > 0 THEN 't' || (i %% %(tags)s) END "
+            "FROM generate_series(1, %(n)s) AS i",
+            {"n": n, "queue": queue, "task": task, "queues": queues, "tasks": tasks,
+             "tags": tags})
+    vacuum(url)
+
+
+def vacuum(url: str) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE staged_jobs")
+        conn.execute("VACUUM ANALYZE dead_jobs")
+
+
+def refuse(queue: str) -> None:
+    """Declare ``queue`` with an argument the drain does not give: its declare gets 406."""
+    with broker_channel() as channel:
+        channel.queue_declare(queue, durable=True, arguments={"x-max-length": 1})
+
+
+def delete_queues(names: list[str]) -> None:
+    with contextlib.suppress(Exception), broker_channel() as channel:
+        for name in names:
+            channel.queue_delete(name)
+
+
+def timed_drain(url: str, done: Callable[[], bool], *, app: str = "",
+                what: str = "the good jobs published") -> float:
+    """Run a drain until ``done``; the seconds it took."""
+    runner = Drain(Settings(database_url=url, broker_url=BROKER_URL, celery_app=app))
+    started = time.perf_counter()
+    with harness.running(runner) as thread:
+        def check() -> bool:
+            if done():
+                return True
+            if not thread.is_alive():
+                raise SystemExit(f"bench_curves: the drain stopped ({what})")
+            return False
+
+        harness.wait_until(check, TIMEOUT, f"bench_curves: {what}", interval=0.02)
+        return time.perf_counter() - started
+
+
+def reached(queue: str, n: int) -> Callable[[], bool]:
+    counter = harness.QueueCounter(queue)
+    return lambda: counter.count() >= n
+
+
+def good_rate(url: str, good_queue: str, good: int, *, app: str = "") -> float:
+    return good / timed_drain(url, reached(good_queue, good), app=app)
+
+
+# -- the curves ---------------------------------------------------------------------------
+
+def backlog(size: int, good: int) -> dict[str, Any]:
+    """The rate over the first ``good`` jobs of a backlog of ``size``."""
+    with harness.Setup("curve_backlog") as setup:
+        url = setup.database()
+        queue = setup.queue("q")
+        sql_stage(url, size, queue, GOOD)
+        return {"x": size, "rate": good_rate(url, queue, min(good, size))}
+
+
+def queues(count: int, good: int) -> dict[str, Any]:
+    """``good`` jobs over ``count`` queues: the drain, and raw pika declaring the same
+    queues (one round trip each) and publishing the same messages at its best window."""
+    with harness.Setup("curve_queues") as setup:
+        url = setup.database()
+        prefix = f"bench_curve_queues_{setup.tag}"
+        names = [prefix] if count == 1 else [f"{prefix}_{i}" for i in range(count)]
+        setup.callback(delete_queues, names)
+        sql_stage(url, good, prefix, GOOD, queues=count)
+        messages = _messages(url)
+        drain_seconds = timed_drain(url, lambda: staged_count(url) == 0)
+        delete_queues(names)
+        raw = []
+        for window in WINDOWS:
+            started = time.perf_counter()
+            with broker_channel() as channel:
+                for name in names:
+                    channel.queue_declare(name, durable=True)
+            declared = time.perf_counter() - started
+            raw.append(declared + raw_pika(messages, window))
+            delete_queues(names)
+        return {"x": count, "rate": good / drain_seconds, "raw_rate": good / min(raw)}
+
+
+def raw_pika(messages: list[Any], window: int) -> float:
+    """Publish with at most ``window`` unconfirmed messages (the drain's pre-encoded
+    properties); the seconds until all were confirmed. Over many queues RabbitMQ
+    confirms out of order: the outstanding delivery tags are a set, not a count."""
+    state: dict[str, Any] = {"next": 0, "t0": 0.0, "t1": 0.0}
+    outstanding: set[int] = set()
+    box: list[Any] = []
+
+    def publish_more() -> None:
+        channel = box[0]
+        while len(outstanding) < window and state["next"] < len(messages):
+            m = messages[state["next"]]
+            channel.basic_publish("", m.routing_key, m.body,
+                                  EncodedProperties(m.encoded_properties))
+            state["next"] += 1
+            outstanding.add(state["next"])  # delivery tags count from 1
+
+    def on_confirm(frame: Any) -> None:
+        tag, multiple = frame.method.delivery_tag, frame.method.multiple
+        outstanding.difference_update([t for t in outstanding if t <= tag] if multiple
+                                      else [tag])
+        if not outstanding and state["next"] >= len(messages):
+            state["t1"] = time.perf_counter()
+            conn.close()
+        else:
+            publish_more()
+
+    def on_selectok(_frame: Any) -> None:
+        state["t0"] = time.perf_counter()
+        publish_more()
+
+    def on_channel(channel: Any) -> None:
+        box.append(channel)
+        channel.confirm_delivery(on_confirm, callback=on_selectok)
+
+    conn = SelectConnection(
+        broker_parameters(BROKER_URL),
+        on_open_callback=lambda c: c.channel(on_open_callback=on_channel),
+        on_close_callback=lambda c, e: c.ioloop.stop())
+    conn.ioloop.start()
+    assert state["t1"], "raw pika: not every message was confirmed"
+    return float(state["t1"] - state["t0"])
+
+
+def _messages(url: str) -> list[Any]:
+    """The messages the drain would publish for the staged rows (the rows stay)."""
+    with psycopg.connect(url) as conn:
+        rows = conn.execute("SELECT id, task_id, task_name, args::text, kwargs::text, queue "
+                            "FROM staged_jobs ORDER BY id").fetchall()
+    origin = message.origin()
+    return [message.build(StagedRow(*r), origin=origin, reply_to=str(uuid.uuid4()))
+            for r in rows]
+
+
+def held(pile: int, good: int, *, app: str = "") -> dict[str, Any]:
+    """``pile`` rows for a queue the broker refuses, staged before ``good`` jobs;
+    with ``app`` (bench/curves_app.py's ``app``, plain routes, or ``function``, a
+    router function), both staged without a queue and routed by it."""
+    with harness.Setup("curve_held") as setup:
+        url = setup.database()
+        refused = setup.queue("refused", declare=False, routed=bool(app))
+        refuse(refused)
+        good_queue = setup.queue("good", routed=bool(app))
+        os.environ["CURVES_PILE_QUEUE"], os.environ["CURVES_GOOD_QUEUE"] = refused, good_queue
+        curves_app.route_static(refused, good_queue)
+        sql_stage(url, pile, None if app else refused, PILE)
+        sql_stage(url, good, None if app else good_queue, GOOD)
+        rate = good_rate(url, good_queue, good, app=f"curves_app:{app}" if app else "")
+        return {"x": pile, "rate": rate}
+
+
+def refused(count: int, good: int, per_queue: int = 5) -> dict[str, Any]:
+    """``count`` refused queues with ``per_queue`` rows each, then ``good`` jobs."""
+    with harness.Setup("curve_refused") as setup:
+        url = setup.database()
+        prefix = f"bench_curve_refused_{setup.tag}"
+        names = [f"{prefix}_{i}" for i in range(count)]
+        setup.callback(delete_queues, names)
+        with broker_channel() as channel:
+            for name in names:
+                channel.queue_declare(name, durable=True, arguments={"x-max-length": 1})
+        sql_stage(url, count * per_queue, prefix, PILE, queues=count)
+        if count == 1:  # one queue is staged as <prefix>, not <prefix>_0
+            with psycopg.connect(url) as conn:
+                conn.execute("UPDATE staged_jobs SET queue = %s", (names[0],))
+        good_queue = setup.queue("good")
+        sql_stage(url, good, good_queue, GOOD)
+        return {"x": count, "rate": good_rate(url, good_queue, good)}
+
+
+def locked(count: int, good: int) -> dict[str, Any]:
+    """``count`` rows locked (SELECT ... FOR UPDATE, held open) while ``good`` jobs
+    drain; then the lock is released and the locked jobs' deliveries counted."""
+    with harness.Setup("curve_locked") as setup:
+        url = setup.database()
+        locked_queue = setup.queue("locked")
+        good_queue = setup.queue("good")
+        sql_stage(url, count, locked_queue, PILE)
+        sql_stage(url, good, good_queue, GOOD)
+        holder = psycopg.connect(url)
+        setup.callback(holder.close)
+        holder.execute("SELECT id FROM staged_jobs WHERE queue = %s FOR UPDATE",
+                       (locked_queue,)).fetchall()
+        locked_counter = harness.QueueCounter(locked_queue)
+        setup.callback(locked_counter.close)
+        runner = Drain(Settings(database_url=url, broker_url=BROKER_URL))
+        started = time.perf_counter()
+        with harness.running(runner):
+            harness.wait_until(reached(good_queue, good), TIMEOUT,
+                               "bench_curves: the good jobs published beside locked rows",
+                               interval=0.02)
+            rate = good / (time.perf_counter() - started)
+            while_locked = locked_counter.count()
+            holder.rollback()
+            harness.wait_until(lambda: staged_count(url) == 0, TIMEOUT,
+                               "bench_curves: the locked rows published once released")
+        deliveries = locked_counter.count()
+        return {"x": count, "rate": rate, "deliveries": deliveries,
+                "duplicates": deliveries - count, "delivered_while_locked": while_locked}
+
+
+def dead(count: int, port: int) -> dict[str, Any]:
+    """``count`` rows in dead_jobs: the status read (what ``drain status`` and the
+    metrics' sampler run), the ``drain status`` command, and a drain's status page,
+    /status.json and /metrics scrape."""
+    with harness.Setup("curve_dead") as setup:
+        url = setup.database()
+        if count:
+            with psycopg.connect(url) as conn:
+                conn.execute(
+                    "INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, "
+                    "priority, staged_at, reason, detail) "
+                    "SELECT i, gen_random_uuid(), 'bench.dead', '[]', '{}', 'q', 0, now(), "
+                    "(ARRAY['expired','invalid','refused','purged'])[1 + i %% 4], NULL "
+                    "FROM generate_series(1, %s) AS i", (count,))
+        vacuum(url)
+        with psycopg.connect(url, autocommit=True) as conn:
+            started = time.perf_counter()
+            drain_status.read(conn, Settings().lock_key)
+            read_seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "drain", "status", "--json", "--database-url",
+                        url], check=True, stdout=subprocess.DEVNULL, cwd=harness.ROOT)
+        cli_seconds = time.perf_counter() - started
+        env = {**os.environ, "DRAIN_METRICS_PORT": str(port), "DRAIN_DATABASE_URL": url,
+               "DRAIN_BROKER_URL": BROKER_URL}
+        setup.process(harness.drain_process("run", env=env))
+        base = f"http://127.0.0.1:{port}"
+        harness.wait_until(lambda: _sampled(base), 120, "bench_curves: the drain's first sample")
+        timings = {path: _get_seconds(base + path) for path in ("/", "/status.json", "/metrics")}
+        return {"x": count, "status_read": read_seconds, "status_cli": cli_seconds,
+                "page": timings["/"], "status_json": timings["/status.json"],
+                "scrape": timings["/metrics"]}
+
+
+def _sampled(base: str) -> bool:
+    with (contextlib.suppress(OSError, ValueError),
+          urllib.request.urlopen(base + "/status.json", timeout=5) as answer):
+        return bool(json.load(answer).get("status"))
+    return False
+
+
+def _get_seconds(url: str, tries: int = 5) -> float:
+    """The best of ``tries`` GETs, in seconds."""
+    best = float("inf")
+    for _ in range(tries):
+        started = time.perf_counter()
+        with urllib.request.urlopen(url, timeout=60) as answer:
+            answer.read()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def series(count: int, rows: int, port: int) -> dict[str, Any]:
+    """``rows`` jobs over ``count`` task names and ``count`` tags, half of them held
+    (a refused queue: they stay staged, in the backlog's groups), half published:
+    how many series a /metrics scrape has."""
+    with harness.Setup("curve_series") as setup:
+        url = setup.database()
+        held_queue = setup.queue("refused", declare=False)
+        refuse(held_queue)
+        good_queue = setup.queue("good")
+        sql_stage(url, rows // 2, held_queue, PILE, tasks=count, tags=count)
+        sql_stage(url, rows - rows // 2, good_queue, GOOD, tasks=count, tags=count)
+        env = {**os.environ, "DRAIN_METRICS_PORT": str(port), "DRAIN_DATABASE_URL": url,
+               "DRAIN_BROKER_URL": BROKER_URL, "DRAIN_METRICS_INTERVAL": "0.5"}
+        setup.process(harness.drain_process("run", env=env))
+        harness.wait_until(reached(good_queue, rows - rows // 2), TIMEOUT,
+                           "bench_curves: the published half")
+        base = f"http://127.0.0.1:{port}"
+        harness.wait_until(lambda: _sampled(base), 120, "bench_curves: a sample")
+        with urllib.request.urlopen(base + "/metrics", timeout=60) as answer:
+            text = answer.read().decode()
+        lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+        return {"x": count, "series": len(lines), "bytes": len(text)}
