@@ -126,8 +126,11 @@ def test_rows_held_for_the_app_are_walked_at_most_once_and_not_sent_with_every_f
         support.wait_for(lambda: support.staged_count(db_url) == pile, 30,
                          "the good row to be published")
     assert support.staged_count(db_url) == pile  # the pile stays staged
-    # Not the held ids with every fetch: only those the marks had not passed yet.
-    assert max(excluded for excluded, _ in fetches) <= 2 * batch
+    # Not the held ids with every fetch: only those the marks had not passed yet. A
+    # transaction open elsewhere in the cluster (another test's, in parallel) holds the
+    # marks back while it lasts (drain.daemon.piles): then the next fetches pass them.
+    support.wait_for(lambda: fetches[-1][0] <= 2 * batch or None, 60,
+                     "a fetch that leaves out only the held ids the marks did not pass")
     # The pile is not walked again when the pause runs out and the queue is still refused.
     assert sum(rows for _, rows in fetches) <= good + batch
     if app == "app":  # held by route from the first batch on: the pile is never walked
