@@ -62,7 +62,7 @@ FAST_WORKERS ?= 4
 .PHONY: venv demo-venv services demo test test-fast test-unit test-spark-cluster lint docs
 .PHONY: soak soak-interleavings clean
 .PHONY: bench bench-throughput bench-latency bench-mvcc bench-memory bench-lanes bench-priority
-.PHONY: bench-staging bench-crashes bench-paused bench-curves
+.PHONY: bench-staging bench-crashes bench-paused bench-piles bench-curves
 .PHONY: bench-profile bench-spark bench-deps bench-smoke
 
 venv: $(STAMP)
@@ -133,7 +133,7 @@ docs: venv
 # earlier run are removed first, so the summary is this run's; a bench that fails shows
 # as "not run" and makes `make bench` fail after the summary.
 BENCHES := bench-profile bench-latency bench-staging bench-mvcc bench-memory bench-lanes \
-	bench-priority bench-crashes bench-paused bench-curves
+	bench-priority bench-crashes bench-paused bench-piles bench-curves
 
 bench: services bench-deps
 	rm -f bench/results/*.json
@@ -172,6 +172,9 @@ bench-crashes: services bench-deps
 bench-paused: services bench-deps
 	$(BIN)/python bench/bench_paused.py
 
+bench-piles: services bench-deps
+	$(BIN)/python bench/bench_piles.py
+
 # How the cost grows with each pile (backlog, queues, held, refused and locked rows, dead
 # jobs, task names): curves in docs/curves.png, each point a ratio in one run (issue 36).
 bench-curves: services bench-deps
@@ -191,8 +194,8 @@ bench-spark: services venv
 
 # Every bench's --smoke mode (what tests/bench/test_smoke.py runs), one at a time; a
 # failing one does not stop the others, and makes the target fail at the end.
-SMOKE_BENCHES := throughput latency staging mvcc memory lanes priority crashes paused curves \
-	spark
+SMOKE_BENCHES := throughput latency staging mvcc memory lanes priority crashes paused piles \
+	curves spark
 
 bench-smoke: services venv
 	@status=0; for name in $(SMOKE_BENCHES); do \

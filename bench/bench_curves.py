@@ -13,7 +13,8 @@ Each point is a fresh database with a pile staged by SQL (bench/curves.py), then
   of its confirm windows (bench/curves.py WINDOWS);
 * ``held``: the good jobs' rate with 0 or 100,000 rows staged before them for a queue
   whose declare the broker refuses (406), without and with ``--app``
-  (bench/curves_app.py routes rows staged without a queue);
+  (bench/curves_app.py routes rows staged without a queue: plain ``task_routes``,
+  and a router function, reported apart);
 * ``refused``: with 0, 1 or 1,000 refused queues of 5 rows each;
 * ``locked``: with 0 or 1,000 rows locked by an open ``SELECT ... FOR UPDATE``, and
   how often the locked jobs were delivered once the lock went;
@@ -66,9 +67,12 @@ def measure(name: str, xs: list[int], good: int) -> dict[str, list[dict[str, Any
         "dead": lambda x: curves.dead(x, free_port()),
         "series": lambda x: curves.series(x, max(2 * x, 2000), free_port()),
     }
-    point["held"] = lambda x: curves.held(x, good, app=False)
-    point["held --app"] = lambda x: curves.held(x, good, app=True)
-    variants = {"": name} if name != "held" else {"": "held", "--app": "held --app"}
+    point["held"] = lambda x: curves.held(x, good)
+    point["held --app"] = lambda x: curves.held(x, good, app="app")
+    point["held --app, a router function"] = lambda x: curves.held(x, good, app="function")
+    variants = ({"": name} if name != "held" else
+                {"": "held", "--app": "held --app",
+                 "--app, a router function": "held --app, a router function"})
     return {variant: [_point(key, x, point[key]) for x in xs] for variant, key in variants.items()}
 
 

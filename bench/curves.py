@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import curves_app
 import harness
 import psycopg
 from harness import BROKER_URL, broker_channel, staged_count
@@ -221,18 +222,20 @@ def _messages(url: str) -> list[Any]:
             for r in rows]
 
 
-def held(pile: int, good: int, *, app: bool) -> dict[str, Any]:
+def held(pile: int, good: int, *, app: str = "") -> dict[str, Any]:
     """``pile`` rows for a queue the broker refuses, staged before ``good`` jobs;
-    with ``app``, both staged without a queue and routed by bench/curves_app.py."""
+    with ``app`` (bench/curves_app.py's ``app``, plain routes, or ``function``, a
+    router function), both staged without a queue and routed by it."""
     with harness.Setup("curve_held") as setup:
         url = setup.database()
-        refused = setup.queue("refused", declare=False, routed=app)
+        refused = setup.queue("refused", declare=False, routed=bool(app))
         refuse(refused)
-        good_queue = setup.queue("good", routed=app)
+        good_queue = setup.queue("good", routed=bool(app))
         os.environ["CURVES_PILE_QUEUE"], os.environ["CURVES_GOOD_QUEUE"] = refused, good_queue
+        curves_app.route_static(refused, good_queue)
         sql_stage(url, pile, None if app else refused, PILE)
         sql_stage(url, good, None if app else good_queue, GOOD)
-        rate = good_rate(url, good_queue, good, app="curves_app:app" if app else "")
+        rate = good_rate(url, good_queue, good, app=f"curves_app:{app}" if app else "")
         return {"x": pile, "rate": rate}
 
 

@@ -1,9 +1,11 @@
-"""The Celery app of bench_curves' ``--app`` points: a router that reads its queues
-from the environment at every call (the bench changes them between points, in one
-process that imports the app once).
+"""The Celery apps of bench_curves' ``--app`` points; ``bench.pile`` goes to a queue
+whose declare the broker refuses, ``bench.flowing`` to one that works:
 
-``CURVES_PILE_QUEUE``: where ``bench.pile`` goes (a queue whose declare the broker
-refuses); ``CURVES_GOOD_QUEUE``: where ``bench.flowing`` goes.
+* :data:`app`: plain ``task_routes`` (the drain holds a refused route's rows by
+  route), made anew with each point's queues (:func:`route_static`);
+* :data:`function`: a router function, which may look at the arguments (the
+  drain holds the rows by id); it reads ``CURVES_PILE_QUEUE`` and
+  ``CURVES_GOOD_QUEUE`` at every call.
 """
 
 from __future__ import annotations
@@ -30,7 +32,20 @@ def route(name: str, args: Any, kwargs: Any, options: Any, task: Any = None,
     return None
 
 
-app = Celery("bench_curves", broker=BROKER_URL, set_as_current=False)
-app.conf.task_routes = [route]
-for _name in (PILE, GOOD):
-    app.task(name=_name, shared=False)(_noop)
+def _app(name: str, routes: Any) -> Celery:
+    made = Celery(name, broker=BROKER_URL, set_as_current=False)
+    made.conf.task_routes = routes
+    for task in (PILE, GOOD):
+        made.task(name=task, shared=False)(_noop)
+    return made
+
+
+app = _app("bench_curves", {})
+function = _app("bench_curves_function", [route])
+
+
+def route_static(pile_queue: str, good_queue: str) -> None:
+    """A new :data:`app` with the next point's routes (an app keeps the router it
+    made from its first routes: a new app, not new routes in the old one)."""
+    global app  # noqa: PLW0603 (the drain loads curves_app:app by its name)
+    app = _app("bench_curves", {PILE: {"queue": pile_queue}, GOOD: {"queue": good_queue}})

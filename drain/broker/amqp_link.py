@@ -186,6 +186,18 @@ class AmqpLink:
         self._turn(seconds)
         self._raise_if_failed()
 
+    def serve(self) -> None:
+        """Turn the I/O loop once, without waiting and without raising: heartbeats
+        and confirms while the drain's loop waits for something else (a Postgres
+        command, drain.postgres.session). A failure is raised by the next pump, wait
+        or publish."""
+        if self._conn is None or self._failure is not None:
+            return
+        try:
+            self._turn(0.0)
+        except Exception:
+            log.debug("error while serving the broker connection", exc_info=True)
+
     # -- what a subclass adds -------------------------------------------------
 
     def _new_connection(self) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -129,11 +130,14 @@ class QueueDeclaringLink(AmqpLink):
         self._declare_channel = None
         super().close()
 
-    def declare(self, queues: set[str]) -> dict[str, str]:
+    def declare(self, queues: set[str], *, until: float | None = None) -> dict[str, str]:
         """Declare (or, passively, check) the queues not declared yet on this connection.
 
         Returns the refused queues with the broker's reason (406 for a queue that
         exists with other arguments, 404 for a missing queue in passive mode).
+        ``until`` (monotonic): after a refusal, start no declare one by one after
+        it, leaving the rest undeclared (:meth:`undeclared`) for a later call; at
+        least one is tried.
         Declares go through a channel of their own, which a refusal closes, so
         the publishing channel and the batches in flight are not disturbed.
         They are pipelined (see the module docstring): one synchronous wait for
@@ -155,8 +159,10 @@ class QueueDeclaringLink(AmqpLink):
             self._declared.update(queue for queue, _steps in todo)
             return refused
         # The broker refused one (and closed the channel): one step at a time, so
-        # the refused queue costs only itself.
-        for queue, steps in todo:
+        # the refused queue costs only itself; none started after ``until``.
+        for n, (queue, steps) in enumerate(todo):
+            if until is not None and n and time.monotonic() > until:
+                break
             self.declares_sent[queue] += 1
             for step in steps:
                 reason = self._declare_step(step)
@@ -232,6 +238,10 @@ class QueueDeclaringLink(AmqpLink):
         raise BrokerUnavailable(
             f"broker at {self._display_url} did not answer a queue declare in time"
         )
+
+    def undeclared(self, queues: set[str]) -> set[str]:
+        """Those of ``queues`` not declared on this connection yet."""
+        return queues - self._declared
 
     def forget(self, queue: str) -> None:
         """Declare ``queue`` again before the next publish to it (it went missing)."""

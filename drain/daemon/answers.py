@@ -32,13 +32,12 @@ class Answers:
         #: Declare this queue again before the next publish to it (the publisher's).
         self._forget = forget
 
-    def declare_refused(self, queue: str, reason: str) -> None:
-        """The broker refused to declare ``queue``: count it (by reply code) and
-        pause the queue's key, saying what it means."""
-        code = reason.split(" ", 1)[0]
+    def refused_reason(self, queue: str, reply: str) -> str:
+        """The broker refused to declare ``queue``: count it (by reply code) and say
+        what it means (drain.daemon.piles.Refusals pauses the queue's key with it)."""
+        code = reply.split(" ", 1)[0]
         self.metrics.declare_refused.labels(code if code.isdigit() else "other").inc()
-        self.holds.pause(PauseKey(queue),
-                         str(QueueDeclareRefused(queue, reason, self._declare_mode)))
+        return str(QueueDeclareRefused(queue, reply, self._declare_mode))
 
     def settle(self, result: PublishResult) -> None:
         """What one batch's confirms, returns, nacks and refusals do to the holds."""

@@ -39,10 +39,13 @@ so a held row never holds back the rows behind it or routed elsewhere, and a
 batch full of held rows never hides the rows behind them. Without ``--app`` a
 queue key is also the staged queue (the message goes to the default exchange
 with the row's queue as its routing key): the fetch then also leaves that
-staged queue out by name (drain.postgres.keyset, "Paused queues"), and the
-drain tries the key by declaring it again when its pause runs out. With
-``--app`` nothing is left out by name: a key whose pause ran out is tried by
-fetching its rows again.
+staged queue out by name (drain.postgres.keyset, "Paused queues"). With
+``--app`` nothing is left out by name, but a static app's held rows are left
+out by route (task name and staged queue), and the marks pass the held rows
+(drain.daemon.piles): a pile is walked once, not by every fetch. Either way a
+key whose pause ran out is tried by declaring its queue again (a key with no
+queue is resumed, and its rows fetched again), before the batch's transaction
+and a few at a time (drain.daemon.piles.try_due).
 
 An exchange the drain declares itself that vanishes (404 on publish) is a
 ``retry`` (drain.broker.refusal): declared again before the next publish, every
@@ -109,14 +112,17 @@ class Holds:
         now = time.monotonic()
         return {key for key, (until, _, _) in self.paused.items() if until <= now}
 
-    def pause(self, key: PauseKey, reason: str, *, times: int = 0) -> None:
+    def pause(self, key: PauseKey, reason: str, *, times: int = 0,
+              cause: str | None = None) -> None:
         """Leave ``key``'s rows staged for a while (doubling up to MAX_PAUSE, at
-        least as after ``times`` pauses) and say why, once."""
+        least as after ``times`` pauses) and say why, once per ``cause`` (default:
+        the reason; drain.daemon.piles gives many queues refused alike one cause)."""
         _, count, _ = self.paused.get(key, (0.0, 0, ""))
         count = max(count, times)
         delay = min(2.0**count, MAX_PAUSE)
         self.paused[key] = (time.monotonic() + delay, count + 1, reason)
-        self.say(reason, f"{reason}; retrying {key} with backoff, up to {MAX_PAUSE:g}s apart")
+        self.say(cause or reason, f"{reason}; retrying {key} with backoff, up to "
+                                  f"{MAX_PAUSE:g}s apart")
 
     def hold(self, key: PauseKey, reason: str) -> None:
         """Pause ``key`` for a publish the broker would refuse or nack again at

@@ -101,7 +101,7 @@ class Metrics:
             "again with the same task id, duplicates a consumer must expect.")
         self.conflicted = counter(
             "drain_conflicted_rows", "Rows the drain left staged because they changed under "
-            "it (updated, or held by another transaction, after it read them): published "
+            "it (updated after it read them; a row only locked is pending, not changed): published "
             "again as they are now, with the same task id; held out of the fetch a while.")
         self.stale_batches = counter(
             "drain_stale_batches", "Batches not published because, after a pause between "
@@ -128,6 +128,10 @@ class Metrics:
             "drain_lock_held", "1 if this process holds its lock (its lane's, with lanes).")
         self.lock_held_seconds = gauge(
             "drain_lock_held_seconds", "Seconds since this process took its lock (0: not held).")
+        self.delete_pending = gauge(
+            "drain_delete_pending_rows", "Rows the drain published (or is moving to dead_jobs) "
+            "whose delete waits for a lock another transaction holds (SELECT ... FOR UPDATE, "
+            "LOCK TABLE): delivered once, kept out of the fetch, deleted once the lock ends.")
         self.lanes = gauge("drain_lanes", "The number of lanes this drain is split in (1: none).")
         self.last_cycle = gauge(
             "drain_last_cycle_timestamp_seconds",

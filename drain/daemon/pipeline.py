@@ -25,6 +25,7 @@ from drain.broker.publisher import Batch, Publisher, PublishResult
 from drain.celery import message, unsendable
 from drain.celery.message import Destination
 from drain.celery.routing import AppRouter, UnknownTask
+from drain.daemon import piles
 from drain.daemon.answers import Answers
 from drain.daemon.holds import Holds
 from drain.daemon.metrics import Metrics
@@ -102,6 +103,10 @@ class Pipeline:
         #: What the broker's refusals, nacks and returns do to the holds.
         self.answers = Answers(self.holds, metrics, declare_mode=settings.queue_declare,
                                forget=publisher.forget)
+        #: Which held rows the marks passed (drain.daemon.piles).
+        self.piles = piles.HeldKeys()
+        #: Many queues refused alike are one warning (drain.daemon.piles).
+        self.refusals = piles.Refusals()
         #: Rows the broker confirmed, this process's lifetime.
         self.published = 0
         #: Removes rows only as they were read; holds out the ones that keep changing.
@@ -109,6 +114,7 @@ class Pipeline:
         self._heads_at = 0.0
         self._expired_at = 0.0
         self._fetched_at = 0.0
+        self._deferred = False
 
     def forget(self) -> None:
         """Drop the batches in flight: their rows stay staged, published again later."""
@@ -132,7 +138,11 @@ class Pipeline:
         SETTLE_TIMEOUT to be confirmed (abandoning them is safe: their rows stay
         staged).
         """
+        if not stopping:  # outside the batch's transaction (drain.daemon.piles)
+            piles.try_due(self.holds, self.refusals, self._publisher,
+                          self.answers.refused_reason)
         pending, self.inflight = self.inflight, []
+        self._deferred = False
         start_error: BrokerUnavailable | None = None
         results: list[PublishResult] = []
         doomed: list[tuple[int, str, str]] = []
@@ -140,9 +150,10 @@ class Pipeline:
         limit = self.settings.batch_size
         expired = Settled()
         # Left out of the fetch and the expiry: the rows in flight, and the rows
-        # held out after they changed under the drain (drain.postgres.conflicts).
+        # held out after they changed under the drain (drain.postgres.conflicts), and the
+        # rows held for a paused queue that the marks did not pass (drain.daemon.piles).
         exclude = [row_id for batch in pending for row_id in batch.row_ids]
-        exclude += self.settle.held() + self.holds.held_rows()
+        exclude += self.settle.held() + self.piles.held_out(self.holds, self.marks.current())
         try:
             # The marks move only once the batch committed (drain.postgres.keyset, "Only what
             # committed moves a mark"): a rolled-back batch's expired rows come back.
@@ -183,6 +194,8 @@ class Pipeline:
         error = start_error or next((r.error for r in results if r.error), None)
         if error is not None:
             raise error
+        if self._deferred:
+            return limit  # queues left undeclared: no idling before the next batch
         return max(len(rows), len(expired.done) + len(expired.left))
 
     def _collect(self, pending: list[Batch], results: list[PublishResult], *,
@@ -218,7 +231,6 @@ class Pipeline:
         # at once) and fetch once they are gone.
         if found >= limit:
             return expired, []
-        self._try_paused()  # a broker round trip: not part of the fetch's time
         return expired, self._fetch(limit, exclude)
 
     def _wait(self, batch: Batch, timeout: float | None = None) -> PublishResult:
@@ -238,11 +250,17 @@ class Pipeline:
         """Fetch the next batch and move the low-water marks (drain.postgres.keyset)."""
         started = time.perf_counter()
         marks = self.marks  # with --fetch-strategy head they plan from the head, keep none
+        now_paused = self.holds.now_paused()
         # Without --app a paused queue is also the staged queue: left out by name too.
-        paused = ([] if self.router is not None else
-                  sorted(key.queue for key in self.holds.now_paused() if key.queue))
-        marks.paused(paused)
-        rows = self._store.fetch(limit, exclude, paused, marks.plan(time.monotonic()))
+        names = ([] if self.router is not None else
+                 sorted(key.queue for key in now_paused if key.queue))
+        # The marks skip the paused keys' rows (by name, by route, held by id), and go
+        # back to the start once one is resumed, not the moment its pause runs out: a
+        # declare tries it first (drain.daemon.piles.try_due).
+        skipped = sorted(key.queue or str(key) for key in now_paused)
+        marks.paused(sorted(key.queue or str(key) for key in self.holds.paused))
+        rows = self._store.fetch(limit, exclude, names, marks.plan(time.monotonic()),
+                                 held_routes=self.piles.held_routes)
         now = time.monotonic()
         marks.fetched([row.priority for row in rows if row.ready], now)
         # The marks move on a look at the heads now and then, not per batch:
@@ -251,8 +269,9 @@ class Pipeline:
             self._heads_at = now
             current = marks.current()
             if current.priorities:
-                heads, xmin = self._store.heads(current, paused)
-                marks.observe(heads, xmin, paused)
+                heads, xmin = self._store.heads(current, names, self.piles.above,
+                                                self.piles.held_routes)
+                marks.observe(heads, xmin, skipped)
             marks.observe_timed(*self._store.timed_heads(current))
         self._fetched_at = now
         elapsed = time.perf_counter() - started
@@ -280,16 +299,23 @@ class Pipeline:
                 targets.append((row, where.queue,
                                 PauseKey.of(where.queue, where.exchange, where.routing_key)))
         paused = set(self.holds.now_paused())
-        refused = self._publisher.declare(
-            {queue for _, queue, key in targets if key not in paused})
-        for queue, reason in refused.items():
-            self.answers.declare_refused(queue, reason)
+        wanted = {queue for _, queue, key in targets if key not in paused}
+        refused = self._publisher.declare(wanted, until=time.monotonic() + piles.DECLARE_BUDGET)
+        self.refusals.pause(self.holds, refused, self.answers.refused_reason)
+        # Queues left for the next batches (drain.daemon.piles): their rows stay staged,
+        # and the next cycle follows at once (cycle()).
+        later = self._publisher.undeclared(wanted) - set(refused)
+        self._deferred = bool(later)
         paused = set(self.holds.now_paused())
+        by_route = self.router is not None and self.router.static
         for row, _, key in targets:
             self.holds.rows.pop(row.id, None)
             if key in paused:
                 self.holds.rows[row.id] = key  # out of the fetch while it is paused
-        publishable = [(row, queue) for row, queue, key in targets if key not in paused]
+                self.piles.hold(row, key, by_route=by_route)
+                self._heads_at = 0.0  # the next look lets the marks pass it
+        publishable = [(row, queue) for row, queue, key in targets
+                       if key not in paused and queue not in later]
         if not publishable:
             return None
         self._prove_lock()
@@ -381,29 +407,6 @@ class Pipeline:
     def paused(self) -> dict[PauseKey, tuple[float, int, str]]:
         """key -> (paused until (monotonic), times paused, last reason)."""
         return self.holds.paused
-
-    def _try_paused(self) -> None:
-        """Declare again the paused queues whose pause ran out: resume the ones the
-        broker accepts now, pause the others for longer.
-
-        Trying a queue by declaring it, not by fetching its rows, keeps the marks
-        past those rows (drain.postgres.keyset, "Paused queues") while the broker still
-        refuses it: a fetch never steps over the pile just to find that out.
-        """
-        if self.router is not None:
-            # Staged queues are not the app's queues: a paused key's rows are fetched
-            # again once its pause ran out, routed, and declared (or paused for longer).
-            return
-        due = self.holds.due()
-        if not due:
-            return
-        try:
-            refused = self._publisher.declare({key.queue for key in due})
-        except BrokerBlocked:
-            return  # tried again after the alarm
-        for queue in sorted(refused):
-            self.answers.declare_refused(queue, refused[queue])
-        self.holds.resume({key for key in due if key.queue not in refused})
 
     def _account(self, result: PublishResult) -> None:
         self.published += len(result.confirmed)

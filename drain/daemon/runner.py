@@ -120,6 +120,8 @@ class Drain:
             queue_max_priority=settings.queue_max_priority,
             specs=self.router.spec if self.router else None,
         )
+        # Heartbeats and confirms go on while a Postgres command waits (a lock).
+        self._store.while_waiting = self._publisher.serve
         # Read from the publisher when scraped: nothing to keep up to date per cycle.
         publisher = self._publisher
         self.metrics.broker_blocked.set_function(

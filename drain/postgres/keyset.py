@@ -71,8 +71,12 @@ known to be wanted again later: the marks remember which queues they skipped
 (:attr:`Marks.skipping`), and the moment one of them is no longer paused
 every mark goes back to the start, as for a rescan. When a pause runs out,
 the drain tries the queue by declaring it again, not by fetching its rows
-(drain.daemon.runner): the marks stay past the pile for as long as the broker still
-refuses it, and go back only once it accepts it. Measured (``make
+(drain.daemon.piles, ``try_due``): the marks stay past the pile for as long as the
+broker still refuses it, and go back only once it accepts it (is resumed: a
+queue whose pause ran out and that is not tried yet still counts as paused
+here). With ``--app``, rows held by id for a paused queue (staged without a
+queue, routed there) are stepped over by the look too, and that queue counts
+among the skipped ones: the marks pass them as well (drain.daemon.piles). Measured (``make
 bench-paused``): a fetch of 1,000 rows took a median of 181 ms with
 1,000,000 paused rows staged before this, 10.6 ms after (9.2 ms with none);
 only the first looks after a start or a rescan step over the pile once.

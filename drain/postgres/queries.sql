@@ -81,7 +81,10 @@ SELECT EXISTS (
 -- not yet due and rows already drained are never scanned; those that appeared
 -- below the mark (a late commit, an update) through staged_jobs_timed_xact_idx.
 -- Left out: the batches still in flight (published, not yet
--- confirmed), the queues the broker is refusing for now, expired rows (expire
+-- confirmed), the queues the broker is refusing for now, the rows a static
+-- --app routes to one of them (held_routes: task name, US, '*' for a row staged
+-- without a queue or '=' and its queue, what drain.celery.routing routes by;
+-- drain.daemon.piles), expired rows (expire
 -- moves at most a batch of them per cycle; the rest wait for the next cycles
 -- rather than being published with an expiry in the past), and rows of other
 -- lanes (lane = |id mod N|: every id, negative ones too, has exactly one).
@@ -111,6 +114,10 @@ FROM (
           AND (s.expires_at IS NULL OR s.expires_at > now())
           AND s.id <> ALL(%(exclude)s::bigint[])
           AND coalesce(s.queue, 'celery') <> ALL(%(paused)s::text[])
+          AND (cardinality(%(held_routes)s::text[]) = 0
+               OR s.task_name || E'\x1f' || CASE WHEN s.queue IS NULL
+                   OR (s.queue = 'celery' AND s.queue_legacy) THEN '*' ELSE '=' || s.queue END
+                   <> ALL(%(held_routes)s::text[]))
           AND (%(lanes)s::int = 1 OR abs(mod(s.id, %(lanes)s::int)) = %(lane)s::int)
         ORDER BY s.priority DESC, s.xact, s.id
         LIMIT %(limit)s) AS s)
@@ -122,6 +129,10 @@ FROM (
           AND (s.expires_at IS NULL OR s.expires_at > now())
           AND s.id <> ALL(%(exclude)s::bigint[])
           AND coalesce(s.queue, 'celery') <> ALL(%(paused)s::text[])
+          AND (cardinality(%(held_routes)s::text[]) = 0
+               OR s.task_name || E'\x1f' || CASE WHEN s.queue IS NULL
+                   OR (s.queue = 'celery' AND s.queue_legacy) THEN '*' ELSE '=' || s.queue END
+                   <> ALL(%(held_routes)s::text[]))
           AND (%(lanes)s::int = 1 OR abs(mod(s.id, %(lanes)s::int)) = %(lane)s::int)
         ORDER BY s.priority DESC, s.xact, s.id
         LIMIT %(limit)s) AS s)
@@ -132,6 +143,10 @@ FROM (
        AND (s.expires_at IS NULL OR s.expires_at > now())
        AND s.id <> ALL(%(exclude)s::bigint[])
        AND coalesce(s.queue, 'celery') <> ALL(%(paused)s::text[])
+       AND (cardinality(%(held_routes)s::text[]) = 0
+            OR s.task_name || E'\x1f' || CASE WHEN s.queue IS NULL
+                OR (s.queue = 'celery' AND s.queue_legacy) THEN '*' ELSE '=' || s.queue END
+                <> ALL(%(held_routes)s::text[]))
        AND (%(lanes)s::int = 1 OR abs(mod(s.id, %(lanes)s::int)) = %(lane)s::int)
      ORDER BY s.not_before, s.id
      LIMIT %(limit)s)
@@ -146,6 +161,10 @@ FROM (
           AND (s.expires_at IS NULL OR s.expires_at > now())
           AND s.id <> ALL(%(exclude)s::bigint[])
           AND coalesce(s.queue, 'celery') <> ALL(%(paused)s::text[])
+          AND (cardinality(%(held_routes)s::text[]) = 0
+               OR s.task_name || E'\x1f' || CASE WHEN s.queue IS NULL
+                   OR (s.queue = 'celery' AND s.queue_legacy) THEN '*' ELSE '=' || s.queue END
+                   <> ALL(%(held_routes)s::text[]))
           AND (%(lanes)s::int = 1 OR abs(mod(s.id, %(lanes)s::int)) = %(lane)s::int)
         ORDER BY s.xact OFFSET 0) AS late
      ORDER BY late.not_before, late.id
@@ -166,8 +185,10 @@ WHERE attrelid IN (to_regclass('staged_jobs'), to_regclass('dead_jobs'))
 -- For drain.postgres.keyset, in the batch's own snapshot: that snapshot's xmin, and
 -- for each marked priority (in the order given) the smallest (xact, id) still
 -- staged at or above its mark (NULLs: none), whatever its expiry or flight, in
--- any queue but the paused ones (drain.postgres.keyset, "Paused queues"). Each is one
--- index descent from (priority, mark), stepping over the paused queues' rows.
+-- any queue but the paused ones (drain.postgres.keyset, "Paused queues"), and other
+-- than the rows held by id or by route (held_routes, as in fetch_batch) for a
+-- paused queue (drain.daemon.piles: by id, those above the marks only). Each is one index descent from (priority, mark),
+-- stepping over the paused queues' and the held rows.
 SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint,
        array_agg(h.xact::text::bigint ORDER BY m.n),
        array_agg(h.id ORDER BY m.n)
@@ -178,6 +199,11 @@ LEFT JOIN LATERAL (
     WHERE s.not_before IS NULL AND s.priority = m.p
       AND (s.xact, s.id) >= (m.wx::text::xid8, m.wi)
       AND coalesce(s.queue, 'celery') <> ALL(%(paused)s::text[])
+      AND (cardinality(%(held_routes)s::text[]) = 0
+           OR s.task_name || E'\x1f' || CASE WHEN s.queue IS NULL
+               OR (s.queue = 'celery' AND s.queue_legacy) THEN '*' ELSE '=' || s.queue END
+               <> ALL(%(held_routes)s::text[]))
+      AND s.id <> ALL(%(held)s::bigint[])
       AND (%(lanes)s::int = 1 OR abs(mod(s.id, %(lanes)s::int)) = %(lane)s::int)
     ORDER BY s.priority DESC, s.xact, s.id
     LIMIT 1) AS h ON true;
@@ -241,10 +267,11 @@ UNION ALL
 
 -- name: keyed_lock_timeout
 -- Before the statements that remove rows as the drain read them (bury,
--- delete_confirmed), for the rest of the batch transaction: a row another
--- transaction holds locked is waited for this long at most, then counts as
--- changed (drain/postgres/conflicts.py). Not FOR UPDATE SKIP LOCKED: that would need
--- UPDATE privilege on staged_jobs, which drain_runner does not have.
+-- delete_confirmed), for the rest of the batch transaction: a lock another
+-- transaction holds is waited for this long at most, then locked_rows says
+-- which rows to set aside, pending (drain/postgres/conflicts.py). Not FOR UPDATE
+-- SKIP LOCKED: that would need UPDATE privilege on staged_jobs, which
+-- drain_runner does not have.
 SELECT set_config('lock_timeout', %(timeout)s, true);
 
 -- name: bury
@@ -276,10 +303,43 @@ SELECT 1;
 -- read it (same id and xact: every UPDATE renews xact). A row changed since is
 -- left staged and published again as it is now (drain/postgres/conflicts.py). Returns
 -- the ids deleted.
+-- `s.id = ANY(ids)` makes the read of staged_jobs one primary key lookup per id
+-- (an index scan on the array), joined to the (id, xact) pairs after it. With
+-- the join alone, the planner (sequential scans off: drain.postgres.session)
+-- merge-joined the sorted pairs with the whole primary key from its first
+-- entry: 51,000 entries read to delete 1,000 rows above a pile of 50,000 that
+-- stays staged (a refused queue's), and more as the pile grows.
 DELETE FROM staged_jobs s
 USING unnest(%(ids)s::bigint[], %(xacts)s::text[]::xid8[]) AS c(id, xact)
-WHERE s.id = c.id AND s.xact = c.xact
+WHERE s.id = ANY(%(ids)s::bigint[]) AND s.id = c.id AND s.xact = c.xact
 RETURNING s.id;
+
+-- name: locked_rows
+-- Which of these rows a DELETE would wait for now, without waiting: all of
+-- them while another session holds or awaits a lock on staged_jobs that
+-- conflicts with ROW EXCLUSIVE (LOCK TABLE ... IN SHARE MODE, a plain CREATE
+-- INDEX); else the rows whose xmax is a transaction running now (it locked or
+-- is updating the row: every transaction holds a lock on its own id). An xmax
+-- left by a locker that ended, or a multixact's id, does not count: the
+-- statement is tried again and halved if it still waits
+-- (drain/postgres/conflicts.py). pg_locks and xmax need no privilege.
+WITH locks AS (
+    SELECT locktype, database, relation, mode, transactionid FROM pg_locks
+    WHERE pid IS DISTINCT FROM pg_backend_pid()
+), whole AS (
+    SELECT EXISTS (
+        SELECT FROM locks
+        WHERE locktype = 'relation' AND relation = 'staged_jobs'::regclass
+          AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+          AND mode IN ('ShareLock', 'ShareRowExclusiveLock', 'ExclusiveLock',
+                       'AccessExclusiveLock')) AS locked
+)
+SELECT c.id FROM unnest(%(ids)s::bigint[]) AS c(id), whole
+WHERE whole.locked
+UNION ALL
+SELECT s.id FROM staged_jobs s, whole
+WHERE NOT whole.locked AND s.id = ANY(%(ids)s::bigint[]) AND s.xmax <> '0'::xid
+  AND s.xmax IN (SELECT transactionid FROM locks WHERE locktype = 'transactionid');
 
 -- name: backlog_estimate
 -- drain status: what the statistics know about staged_jobs, without reading

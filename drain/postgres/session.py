@@ -9,6 +9,7 @@ the lock and the batches on top of it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import datetime as dt
 import logging
@@ -18,6 +19,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import psycopg
 import psycopg.errors
@@ -78,8 +80,20 @@ SESSION_SETTINGS = {
 }
 
 
+#: Seconds between two calls of :attr:`Session.while_waiting` while a command waits.
+SERVE_EVERY = 0.2
+
+
 class Session:
-    """One Postgres connection of a drain process, with its settings and identity."""
+    """One Postgres connection of a drain process, with its settings and identity.
+
+    A command may wait, for a lock say, up to the session's lock and statement
+    timeouts. The loop's other connection must not starve meanwhile: the
+    broker drops a connection whose heartbeats stop (two missed, 2 s with a
+    1 s heartbeat). So with :attr:`while_waiting` set, each command runs on a
+    helper thread while the calling thread calls it every SERVE_EVERY until the
+    answer comes (the connection is only ever used by one thread at a time).
+    """
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
@@ -102,6 +116,10 @@ class Session:
         #: The server's pid for this session (``pg_backend_pid()``): through a
         #: pool, ``conn.info.backend_pid`` is the pool's key, not the server's.
         self.server_pid = 0
+        #: Called on the calling thread every SERVE_EVERY while a command waits
+        #: (the broker's I/O loop: drain.daemon.runner); it must not raise.
+        self.while_waiting: Callable[[], None] | None = None
+        self._helper: concurrent.futures.ThreadPoolExecutor | None = None
 
     @property
     def connected(self) -> bool:
@@ -280,7 +298,7 @@ class Session:
         conn = self._require()
         try:
             self.asked_at = time.monotonic()
-            return conn.execute(self._query(name), params)
+            return self._run(conn, self._query(name), params)
         except (psycopg.errors.InsufficientPrivilege, psycopg.errors.UndefinedTable,
                 psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction) as exc:
             refused = refusal(exc, self._display, RUNNER_GRANT)
@@ -291,6 +309,20 @@ class Session:
                 raise  # inside a batch: Store.batch rolls it back and says so
             self.close()
             raise self._unavailable("lost", exc) from None
+
+    def _run(self, conn: psycopg.Connection[tuple[object, ...]], query: str,
+             params: dict[str, object] | None) -> psycopg.Cursor[tuple[object, ...]]:
+        """Run one command; while it waits, call :attr:`while_waiting` now and then."""
+        serve = self.while_waiting
+        if serve is None:
+            return conn.execute(query, params)
+        if self._helper is None:
+            self._helper = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="drain-command")
+        answer = self._helper.submit(conn.execute, query, params)
+        while not concurrent.futures.wait([answer], SERVE_EVERY).done:
+            serve()
+        return answer.result()
 
     def _query(self, name: str) -> str:
         """The text of the query ``name`` for this session's schema."""

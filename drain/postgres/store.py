@@ -17,7 +17,7 @@ import datetime as dt
 import logging
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import psycopg
@@ -47,9 +47,10 @@ log = logging.getLogger("drain.store")
 
 #: A keyed statement's key: a tuple whose first item is the row's id (Store._keyed).
 K = TypeVar("K", bound=tuple[Any, ...])
-#: How long a keyed statement waits for a row another transaction holds locked
-#: (an UPDATE under way) before that row counts as changed (drain.postgres.conflicts).
-KEYED_LOCK_TIMEOUT = "50ms"
+#: How long a keyed statement waits for a lock another transaction holds (a row
+#: locked or being updated, the table in SHARE mode) before it asks which of its
+#: rows are locked and sets them aside, pending (drain.postgres.conflicts).
+KEYED_LOCK_TIMEOUT = "5ms"
 
 
 class Store(Session):
@@ -184,23 +185,30 @@ class Store(Session):
         exclude: list[int] | None = None,
         paused: list[str] | None = None,
         plan: keyset.FetchPlan | None = None,
+        *,
+        held_routes: list[str] | None = None,
     ) -> list[StagedRow]:
         """The next ``limit`` due rows, leaving out ``exclude`` (rows in flight),
-        the rows of ``paused`` queues and other lanes' rows; ``plan`` says where
-        each priority's scan starts (None: from the head)."""
-        params = fetch_params(limit, exclude=exclude, paused=paused, plan=plan, **self._lane)
+        the rows of ``paused`` queues, the rows of ``held_routes`` (drain.daemon.piles)
+        and other lanes' rows; ``plan`` says where each priority's scan starts
+        (None: from the head)."""
+        params = fetch_params(limit, exclude=exclude, paused=paused, plan=plan,
+                              held_routes=held_routes, **self._lane)
         cur = self._execute("fetch_batch", params)
         return [StagedRow(*row) for row in cur.fetchall()]  # type: ignore[arg-type]
 
     def heads(
-        self, plan: keyset.FetchPlan, paused: list[str] | None = None
+        self, plan: keyset.FetchPlan, paused: list[str] | None = None,
+        held: list[int] | None = None, held_routes: list[str] | None = None,
     ) -> tuple[dict[int, tuple[int, int] | None], int]:
         """For :meth:`keyset.Marks.observe`: each marked priority's smallest staged
-        ``(xact, id)`` at or above its mark outside the ``paused`` queues, and this
+        ``(xact, id)`` at or above its mark outside the ``paused`` queues and the
+        ``held`` rows (held for a paused queue: drain.daemon.piles), and this
         snapshot's xmin."""
         row = self._execute("fetch_heads", {
             "priorities": plan.priorities, "mark_xacts": plan.mark_xacts,
-            "mark_ids": plan.mark_ids, "paused": paused or [],
+            "mark_ids": plan.mark_ids, "paused": paused or [], "held": held or [],
+            "held_routes": held_routes or [],
             **self._lane,
         }).fetchone()
         assert row is not None
@@ -211,11 +219,13 @@ class Store(Session):
             found[priority] = None if xact is None else (int(xact), int(row_id))
         return found, int(xmin)  # type: ignore[call-overload]
 
-    def delete(self, rows: Mapping[int, int]) -> Settled:
+    def delete(self, rows: Mapping[int, int], suspects: Collection[int] = ()) -> Settled:
         """Delete the confirmed rows, each only as it was read (``{id: xact}``); a
-        row changed since stays staged (drain.postgres.conflicts)."""
+        row changed since stays staged, a row locked is pending (drain.postgres.conflicts);
+        ``suspects`` were locked in an earlier cycle: sorted before the delete."""
         return self._keyed("delete_confirmed", list(rows.items()), lambda keys: {
-            "ids": [row_id for row_id, _ in keys], "xacts": [str(xact) for _, xact in keys]})
+            "ids": [row_id for row_id, _ in keys], "xacts": [str(xact) for _, xact in keys]},
+            suspects)
 
     def expire(self, exclude: list[int], limit: int,
                plan: keyset.FetchPlan = keyset.FROM_HEAD) -> tuple[int, Settled]:
@@ -247,25 +257,28 @@ class Store(Session):
                 None if expiring is None else str(expiring), int(xmin))  # type: ignore[call-overload]
 
     def bury(self, doomed: Sequence[tuple[int, str, str | None]],
-             versions: Mapping[int, int]) -> Settled:
+             versions: Mapping[int, int], suspects: Collection[int] = ()) -> Settled:
         """Move rows to dead_jobs, ``[(id, reason, detail)]``, each only as it was
-        read (``versions``: ``{id: xact}``); a row changed since stays staged."""
+        read (``versions``: ``{id: xact}``); a row changed since stays staged, a
+        row locked is pending (as :meth:`delete`)."""
         keys = [(row_id, versions[row_id], reason, detail)
                 for row_id, reason, detail in doomed if row_id in versions]
         settled = self._keyed("bury", keys, lambda group: {
             "ids": [k[0] for k in group], "xacts": [str(k[1]) for k in group],
-            "reasons": [k[2] for k in group], "details": [k[3] for k in group]})
+            "reasons": [k[2] for k in group], "details": [k[3] for k in group]}, suspects)
         settled.left += [row_id for row_id, _, _ in doomed if row_id not in versions]
         return settled
 
     def _keyed(self, name: str, keys: Sequence[K],
-               params: Callable[[Sequence[K]], dict[str, object]]) -> Settled:
+               params: Callable[[Sequence[K]], dict[str, object]],
+               suspects: Collection[int] = ()) -> Settled:
         """Run the keyed statement ``name`` (it returns the ids it removed) in the
-        batch, so that a row changed after the batch's snapshot, or held locked by
-        another transaction, costs that row only: each attempt in a savepoint,
-        halved on a serialization failure or a lock wait of more than
-        KEYED_LOCK_TIMEOUT (drain.postgres.conflicts). Keys are tuples whose first item
-        is the row's id."""
+        batch, so that a row changed after the batch's snapshot costs that row
+        only, and a row another transaction holds locked costs no wait and no
+        change: each attempt in a savepoint, halved on a serialization failure;
+        after a lock wait of more than KEYED_LOCK_TIMEOUT the rows locked now are
+        set aside as pending first (drain.postgres.conflicts). Keys are tuples of
+        the row's id and its xact, then anything."""
         conn = self._require()
         if keys and not self._keyed_lock_timeout_set:
             # For the rest of the batch's transaction: one round trip per batch,
@@ -278,7 +291,13 @@ class Store(Session):
                 rows = self._execute(name, params(group)).fetchall()
             return [int(row[0]) for row in rows]  # type: ignore[call-overload]
 
-        return isolate(keys, attempt, conflict=_conflict, key_id=_first)
+        def locked_now(group: Sequence[K]) -> set[int]:
+            ids = [int(k[0]) for k in group]
+            return {int(row[0]) for row in self._execute(  # type: ignore[call-overload]
+                "locked_rows", {"ids": ids}).fetchall()}
+
+        return isolate(keys, attempt, conflict=_conflict, key_id=_first, locked=_lock_wait,
+                       locked_now=locked_now, suspects=suspects, key_version=_second)
 
     # -- the wake flag (drain.postgres.wakeup) -------------------------------------------------
 
@@ -326,6 +345,7 @@ def fetch_params(
     exclude: list[int] | None = None,
     paused: list[str] | None = None,
     plan: keyset.FetchPlan | None = None,
+    held_routes: list[str] | None = None,
     lanes: int = 1,
     lane: int = 0,
 ) -> dict[str, object]:
@@ -333,6 +353,7 @@ def fetch_params(
     plan = plan or keyset.FROM_HEAD
     return {
         "limit": limit, "exclude": exclude or [], "paused": paused or [],
+        "held_routes": held_routes or [],
         "priorities": plan.priorities, "mark_xacts": plan.mark_xacts,
         "mark_ids": plan.mark_ids,
         "gap_above": plan.gap_above, "gap_below": plan.gap_below,
@@ -352,8 +373,17 @@ def _conflict(exc: Exception) -> bool:
     return isinstance(exc, psycopg.Error) and rolled_back(exc)
 
 
+def _lock_wait(exc: Exception) -> bool:
+    """A lock timeout: a row or the table is locked, nothing changed."""
+    return isinstance(exc, psycopg.Error) and exc.sqlstate == "55P03"
+
+
 def _first(key: tuple[Any, ...]) -> int:
     return int(key[0])
+
+
+def _second(key: tuple[Any, ...]) -> int:
+    return int(key[1])
 
 
 #: The kinds of group role ``drain migrate`` makes, each ``<role prefix><kind>``.

@@ -51,6 +51,7 @@ BENCHES = [
     "priority",
     "crashes",
     "paused",
+    "piles",
     pytest.param("curves", marks=pytest.mark.slow),  # seven curves: a minute
     pytest.param("spark", marks=[pytest.mark.spark, pytest.mark.slow]),  # a JVM of its own
 ]

@@ -221,19 +221,19 @@ def test_fetch_never_scans_rows_that_are_not_yet_due(db_url: str, plan_cache_mod
             conn.execute("SET plan_cache_mode = force_generic_plan")
             conn.execute(
                 "PREPARE drain_fetch(int, bigint[], text[], int[], bigint[], bigint[], int[], "
-                "int[], int, int, text, bigint) AS "
+                "int[], int, int, text, bigint, text[]) AS "
                 + _positional(query, ["limit", "exclude", "paused", "priorities", "mark_xacts",
                                       "mark_ids", "gap_above", "gap_below", "lanes", "lane",
-                                      "delayed_from", "timed_xact"])
+                                      "delayed_from", "timed_xact", "held_routes"])
             )
             rows = conn.execute(
                 "EXECUTE drain_fetch(1000, '{}', '{}', '{}', '{}', '{}', '{-32769}', '{32768}', "
-                "1, 0, '-infinity', 0)"
+                "1, 0, '-infinity', 0, '{}')"
             ).fetchall()
             plan = conn.execute(
                 "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "
                 "EXECUTE drain_fetch(1000, '{-1}', '{other}', '{}', '{}', '{}', '{-32769}', "
-                "'{32768}', 1, 0, '-infinity', 0)"
+                "'{32768}', 1, 0, '-infinity', 0, '{other\x1f*}')"
             ).fetchone()
     assert {r[0] for r in rows} == wanted, "the fetch must return exactly the due rows"
     assert [r[6] for r in rows] == sorted((r[6] for r in rows), reverse=True)
@@ -495,13 +495,14 @@ def test_a_mass_expiry_is_moved_before_any_fetch_has_to_skip_it(
     def counting_fetch(
         self: Store, limit: int, exclude: list[int] | None = None,
         paused: list[str] | None = None, plan: keyset.FetchPlan | None = None,
+        **options: Any,
     ) -> list[StagedRow]:
         row = self._require().execute(
             "SELECT count(*) FROM staged_jobs WHERE expires_at <= now() "
             "AND id <> ALL(%s::bigint[])", (exclude or [],)
         ).fetchone()
         skipped.append(row[0] if row else -1)
-        return fetch(self, limit, exclude, paused, plan)
+        return fetch(self, limit, exclude, paused, plan, **options)
 
     monkeypatch.setattr(Store, "fetch", counting_fetch)
     # No NOTIFY comes (everything was staged before the drain listened) and the

@@ -56,6 +56,7 @@ CONTRACT_GAUGES = {
     "drain_lock_held",
     "drain_lock_held_seconds",
     "drain_lanes",
+    "drain_delete_pending_rows",
     "drain_last_cycle_timestamp_seconds",
     "drain_up",
     "drain_broker_blocked",

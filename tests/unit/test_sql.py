@@ -24,9 +24,11 @@ def test_parse_errors(text: str, message: str) -> None:
 def test_query_names() -> None:
     assert set(sql.queries()) == {
         "schema_present", "try_lock", "try_lane_lock", "join_lanes", "listen", "lane_holders",
-        "fetch_batch", "fetch_heads", "timed_heads", "delete_confirmed", "backlog_estimate",
+        "fetch_batch", "fetch_heads", "timed_heads", "delete_confirmed", "locked_rows",
+        "backlog_estimate",
         "backlog_groups_sample", "backlog_oldest", "oldest_transaction", "lock_holder",
         "lanes_in_use", "set_application_name", "backlog_groups", "dead_by_reason",
+        "dead_estimate", "dead_by_reason_sample",
         "bury", "expiring", "keyed_lock_timeout", "alive", "take_sentinel", "release_sentinel",
         "wake_flag", "raise_flag", "lower_flag", "silent_writers", "announce", "armed_elsewhere",
         "in_recovery", "take_token", "end_abandoned", "newest_columns_present",
