@@ -158,7 +158,8 @@ def plot(results: dict[str, dict[str, list[dict[str, Any]]]], path: Path) -> Non
     fig, axes = plt.subplots(2, (len(names) + 1) // 2, figsize=(14, 6.4), dpi=100,
                              squeeze=False)
     for ax, name in zip(axes.flat, names, strict=False):
-        for variant, points in results[name].items():
+        for variant, measured in results[name].items():
+            points = [p for p in measured if "failed" not in p]
             xs = [max(p["x"], 1) for p in points]
             key = {"dead": "status_cli", "series": "series"}.get(name, "rate")
             ax.plot(xs, [p[key] for p in points], marker="o", label=variant or "drain")

@@ -237,12 +237,7 @@ class Publisher(RefusalProbingLink):
         alarm) ends the wait early with :class:`BrokerBlocked` and leaves the batch
         in flight: the broker has stopped reading, not lost anything, and its
         confirms come once the alarm clears. The confirm timeout counts from the
-        next wait, so a long alarm never makes the drain abandon the batch.
-
-        Without ``timeout``, the confirm timeout is a limit on silence, not on the
-        whole batch: the wait goes on while each confirm timeout brings a confirm,
-        so a broker confirming slowly but steadily (a batch over thousands of new
-        queues, issue 36) is never taken for a dead one."""
+        next wait, so a long alarm never makes the drain abandon the batch."""
         n = len(batch.status)
         limit = self._confirm_timeout if timeout is None else min(timeout, self._confirm_timeout)
         current = batch.generation == self._generation and self._conn is not None
@@ -251,12 +246,10 @@ class Publisher(RefusalProbingLink):
             return (batch.resolved >= n or self._failure is not None
                     or self._refusal is not None or (until_blocked and self.blocked is not None))
 
-        steady = timeout is None
-        finished = current and self._run_steady(batch, done, limit, steady=steady)
+        finished = current and self._run_until(done, limit)
         if current and self._refusal is not None:
             self._recover()  # resolves every message published on the refused channel
-            finished = batch.resolved >= n or self._run_steady(batch, done, limit,
-                                                               steady=steady)
+            finished = batch.resolved >= n or self._run_until(done, limit)
         if (until_blocked and current and self.blocked is not None
                 and batch.resolved < n and self._failure is None):
             raise BrokerBlocked(self.blocked)
@@ -292,17 +285,6 @@ class Publisher(RefusalProbingLink):
             refused=[(messages[i], refusal) for i, refusal in sorted(batch.refusals.items())],
             nacked_keys={m.pause_key for i, m in enumerate(messages) if status[i] & NACKED},
         )
-
-    def _run_steady(self, batch: Batch, done: Callable[[], bool], limit: float, *,
-                    steady: bool) -> bool:
-        """Turn the I/O loop until ``done()``; False after ``limit`` seconds, or with
-        ``steady`` only after ``limit`` seconds in which none of the batch resolved."""
-        while True:
-            before = batch.resolved
-            if self._run_until(done, limit):
-                return True
-            if not steady or batch.resolved == before or self._conn is None:
-                return False
 
     def publish(self, messages: Sequence[Message]) -> PublishResult:
         """Declare, publish a batch and wait for its confirms (for tools and tests)."""

@@ -15,27 +15,10 @@ declares one by default; with ``--app``, the app's own kombu entities
 (drain.celery.routing): their exchange, its type and binding, the queue's arguments
 (``x-queue-type: quorum``, ``x-max-priority``...) and extra bindings, declared
 in the order kombu's ``Queue.declare`` declares them.
-
-Pipelined declares (issue 36). A batch can go to thousands of queues new on
-this connection; one synchronous round trip each kept a batch over 1,000 new
-queues waiting for seconds, and a fixed wait for them ran out on a healthy
-broker, which looked like a dead connection. So the queues a batch needs are
-declared all at once: every exchange declare, queue declare and bind is sent
-with ``nowait``, then one synchronous ``basic.qos`` on the same channel is the
-barrier. The broker handles a channel's methods in order, so its answer to the
-barrier means it agreed to everything before it: one wait per batch, however
-many queues. When it refuses one it closes the channel instead, and the
-barrier never comes; the batch's queues are then declared again one step at a
-time on a new channel, so the refused queue costs only itself (its rows stay
-staged) and the others go. Redeclaring a queue with the same arguments is a
-no-op, so declaring twice is harmless. Each wait allows the connect timeout
-plus :data:`STEP_SECONDS` per step it waits for, never a fixed time for the
-whole batch.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 from collections.abc import Callable
@@ -90,11 +73,6 @@ def classic(max_priority: int = 0) -> Callable[[str], QueueSpec]:
     return lambda name: QueueSpec(name, arguments=arguments)
 
 
-#: A declare, bind or barrier: ``done`` is called with the broker's answer, or,
-#: when None, the method is sent with ``nowait`` and the broker sends none.
-_Step = Callable[[Any, "Callable[[Any], None] | None"], None]
-
-
 class QueueDeclaringLink(AmqpLink):
     """An :class:`AmqpLink` that declares queues, each once per connection."""
 
@@ -115,9 +93,6 @@ class QueueDeclaringLink(AmqpLink):
         self._declared: set[str] = set()
         self._declare_channel: Any = None
         self._declare_refusal: str | None = None
-        #: Declares sent per queue (a queue again only after a refusal or a new
-        #: connection): for tests and tools.
-        self.declares_sent: collections.Counter[str] = collections.Counter()
         #: How each queue is declared (drain.celery.routing gives the app's entities).
         self._specs = specs or classic(queue_max_priority)
 
@@ -135,35 +110,32 @@ class QueueDeclaringLink(AmqpLink):
 
         Returns the refused queues with the broker's reason (406 for a queue that
         exists with other arguments, 404 for a missing queue in passive mode).
-        ``until`` (monotonic): after a refusal, start no declare one by one after
-        it, leaving the rest undeclared (:meth:`undeclared`) for a later call; at
-        least one is tried.
+        ``until`` (monotonic): start no declare after it, leaving the rest
+        undeclared (:meth:`undeclared`) for a later call; at least one is tried.
         Declares go through a channel of their own, which a refusal closes, so
         the publishing channel and the batches in flight are not disturbed.
-        They are pipelined (see the module docstring): one synchronous wait for
-        all of them, and one per step only when the broker refused one.
         Raises :class:`BrokerUnavailable` when the connection itself fails, and
         :class:`BrokerBlocked` when the broker blocks it before answering.
         """
         refused: dict[str, str] = {}
-        todo: list[tuple[str, list[_Step]]] = []
-        for queue in sorted(queues - self._declared):
+        for n, queue in enumerate(sorted(queues - self._declared)):
+            if until is not None and n and time.monotonic() > until:
+                break
             spec = self._specs(queue)
             if spec.no_declare:
                 self._declared.add(queue)
                 continue
-            todo.append((queue, self._steps(spec)))
-        if not todo:
-            return refused
-        if self._declare_pipelined(todo):
-            self._declared.update(queue for queue, _steps in todo)
-            return refused
-        # The broker refused one (and closed the channel): one step at a time, so
-        # the refused queue costs only itself; none started after ``until``.
-        for n, (queue, steps) in enumerate(todo):
-            if until is not None and n and time.monotonic() > until:
-                break
-            self.declares_sent[queue] += 1
+            passive = self._declare_mode == "passive"
+            # The exchanges first, then the queue, then its bindings: what kombu's
+            # Queue.declare does (it declares an extra binding's exchange just before
+            # that binding, which comes to the same).
+            steps: list[Callable[[Any, Callable[[Any], None]], None]] = []
+            if not passive:
+                steps += [_exchange_step(b.exchange) for b in spec.bindings
+                          if b.declare_exchange]
+            steps.append(_queue_step(spec, passive=passive))
+            if not passive:
+                steps += [_bind_step(spec.name, b) for b in spec.bindings]
             for step in steps:
                 reason = self._declare_step(step)
                 if reason is not None:
@@ -173,45 +145,9 @@ class QueueDeclaringLink(AmqpLink):
                 self._declared.add(queue)
         return refused
 
-    def _steps(self, spec: QueueSpec) -> list[_Step]:
-        passive = self._declare_mode == "passive"
-        # The exchanges first, then the queue, then its bindings: what kombu's
-        # Queue.declare does (it declares an extra binding's exchange just before
-        # that binding, which comes to the same).
-        steps: list[_Step] = []
-        if not passive:
-            steps += [_exchange_step(b.exchange) for b in spec.bindings
-                      if b.declare_exchange]
-        steps.append(_queue_step(spec, passive=passive))
-        if not passive:
-            steps += [_bind_step(spec.name, b) for b in spec.bindings]
-        return steps
-
-    def _declare_pipelined(self, todo: list[tuple[str, list[_Step]]]) -> bool:
-        """Send every step with ``nowait``, then one ``basic.qos`` as a barrier.
-
-        True when the barrier was answered: the broker handles a channel's
-        methods in order, so it agreed to every step before it. False when it
-        closed the channel instead (it refused a step; which one is not known).
-        """
-        self._raise_if_failed()
-        channel = self._declare_channel_open()
-        count = 0
-        for queue, steps in todo:
-            self.declares_sent[queue] += 1
-            for step in steps:
-                step(channel, None)
-                count += 1
-        return self._declare_step(_barrier_step, steps=count) is None
-
-    def _declare_step(self, step: _Step, *, steps: int = 1) -> str | None:
-        """One synchronous declare or bind (or the barrier after ``steps`` nowait
-        ones) on the declare channel: None when the broker agreed, else its reason
-        (the channel is then closed, and opened anew for the next).
-
-        The wait is the connect timeout plus :data:`STEP_SECONDS` per step, so a
-        healthy broker declaring thousands of queues is never taken for a dead one.
-        """
+    def _declare_step(self, step: Callable[[Any, Callable[[Any], None]], None]) -> str | None:
+        """One declare or bind on the declare channel: None when the broker agreed,
+        else its reason (the channel is then closed, and opened anew for the next)."""
         self._raise_if_failed()
         channel = self._declare_channel_open()
         answer: dict[str, str] = {}
@@ -226,7 +162,7 @@ class QueueDeclaringLink(AmqpLink):
             return (bool(answer) or self._declare_channel is None
                     or self._failure is not None or self.blocked is not None)
 
-        self._run_until(answered, self._connect_timeout + STEP_SECONDS * steps)
+        self._run_until(answered, self._connect_timeout)
         if not answer and self._failure is None and self.blocked is not None:
             raise BrokerBlocked(self.blocked)  # the answer comes after the alarm
         if "ok" in answer:
@@ -275,32 +211,23 @@ class QueueDeclaringLink(AmqpLink):
         self._wake()
 
 
-#: Added to a declare wait per step it waits for: a healthy broker declares a
-#: durable queue in well under this, so only a stalled one runs out of time.
-STEP_SECONDS = 0.05
-
-
-def _barrier_step(channel: Any, done: Callable[[Any], None] | None) -> None:
-    channel.basic_qos(prefetch_count=0, callback=done)
-
-
-def _exchange_step(exchange: ExchangeSpec) -> _Step:
-    def step(channel: Any, done: Callable[[Any], None] | None) -> None:
+def _exchange_step(exchange: ExchangeSpec) -> Callable[[Any, Callable[[Any], None]], None]:
+    def step(channel: Any, done: Callable[[Any], None]) -> None:
         channel.exchange_declare(
             exchange.name, exchange_type=exchange.type, durable=exchange.durable,
             auto_delete=exchange.auto_delete, arguments=exchange.arguments, callback=done)
     return step
 
 
-def _bind_step(queue: str, binding: BindingSpec) -> _Step:
-    def step(channel: Any, done: Callable[[Any], None] | None) -> None:
+def _bind_step(queue: str, binding: BindingSpec) -> Callable[[Any, Callable[[Any], None]], None]:
+    def step(channel: Any, done: Callable[[Any], None]) -> None:
         channel.queue_bind(queue, binding.exchange.name, routing_key=binding.routing_key,
                            arguments=binding.arguments, callback=done)
     return step
 
 
-def _queue_step(spec: QueueSpec, *, passive: bool) -> _Step:
-    def step(channel: Any, done: Callable[[Any], None] | None) -> None:
+def _queue_step(spec: QueueSpec, *, passive: bool) -> Callable[[Any, Callable[[Any], None]], None]:
+    def step(channel: Any, done: Callable[[Any], None]) -> None:
         channel.queue_declare(spec.name, passive=passive, durable=spec.durable,
                               exclusive=spec.exclusive, auto_delete=spec.auto_delete,
                               arguments=spec.arguments, callback=done)
