@@ -197,6 +197,14 @@ def queue() -> Iterator[str]:
 
 
 @pytest.fixture
+def other_queue() -> Iterator[str]:
+    """A second queue name for this test only (an unrelated queue); deleted afterwards."""
+    name = support.unique("drain_test_other")
+    yield name
+    support.delete_queue(name)
+
+
+@pytest.fixture
 def processes(tmp_path: Path) -> Iterator[list[support.Process]]:
     """Started processes are registered here and always stopped at teardown."""
     started: list[support.Process] = []

@@ -8,7 +8,6 @@ session, and waking on NOTIFY rather than the poll interval.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -62,13 +61,6 @@ def test_a_batch_goes_to_the_socket_in_a_few_chunks_not_a_send_per_frame(
 
 def _logged(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if text in r.getMessage()]
-
-
-@pytest.fixture
-def other_queue() -> Iterator[str]:
-    name = support.unique("drain_test_other")
-    yield name
-    support.delete_queue(name)
 
 
 def test_queue_with_other_arguments_keeps_its_rows_staged_and_others_flow(

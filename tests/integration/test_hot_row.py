@@ -13,22 +13,16 @@ Deliveries are counted by a real consumer of both queues.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import subprocess
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import pika
 import psycopg
-import pytest
 
 import drain
-from drain.settings.urls import broker_parameters
 from tests import support
+from tests.deliveries import Deliveries
 from tests.integration.conftest import Running
 
 #: Updates of the hot row: pgbench at RATE per second, UPDATES in all (about 10 s).
@@ -37,60 +31,6 @@ UPDATES = 5000
 #: Unrelated rows in the hot row's queue, and in another queue (staged during the updates).
 UNRELATED = 50
 LATER = 20
-
-
-class Deliveries:
-    """Consumes the queues on its own thread: every delivery's args and when it came."""
-
-    def __init__(self, queues: list[str]) -> None:
-        self.queues = queues
-        #: marker (args[0]) -> [(time.monotonic(), args)] of each delivery
-        self.seen: dict[str, list[tuple[float, list[Any]]]] = {}
-        self.ready = threading.Event()
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hot-consumer", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            conn = pika.BlockingConnection(broker_parameters(support.BROKER_URL))
-            try:
-                ch = conn.channel()
-                for queue in self.queues:
-                    ch.queue_declare(queue, durable=True)
-                    ch.basic_consume(queue, self._on_message, auto_ack=True)
-                self.ready.set()
-                while not self._stop.is_set():
-                    conn.process_data_events(time_limit=0.02)
-            finally:
-                with contextlib.suppress(Exception):
-                    conn.close()
-        except Exception as exc:
-            self.error = exc
-
-    def _on_message(self, _ch: Any, _method: Any, _props: Any, body: bytes) -> None:
-        args = json.loads(body)[0]
-        self.seen.setdefault(str(args[0]), []).append((time.monotonic(), args))
-
-    def count(self, marker: str) -> int:
-        return len(self.seen.get(marker, []))
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[Deliveries]:
-        self._thread.start()
-        try:
-            support.wait_for(lambda: self.ready.is_set() or self.error, 30, "the consumer")
-            yield self
-        finally:
-            self._stop.set()
-            self._thread.join(15)
-
-
-@pytest.fixture
-def other_queue() -> Iterator[str]:
-    name = support.unique("drain_test_other")
-    yield name
-    support.delete_queue(name)
 
 
 def _hot_version(db_url: str) -> int | None:

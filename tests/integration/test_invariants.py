@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -29,13 +29,6 @@ from drain.postgres.rows import StagedRow
 from drain.settings.urls import broker_parameters
 from tests import support
 from tests.integration.conftest import Running
-
-
-@pytest.fixture
-def other_queue() -> Iterator[str]:
-    name = support.unique("drain_test_other")
-    yield name
-    support.delete_queue(name)
 
 
 def _row(row_id: int, task_id: uuid.UUID, queue: str) -> StagedRow:

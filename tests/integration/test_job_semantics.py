@@ -35,13 +35,6 @@ UTC = dt.timezone.utc
 # -- helpers ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def other_queue() -> Iterator[str]:
-    name = support.unique("drain_test_other")
-    yield name
-    support.delete_queue(name)
-
-
 Msg = tuple[Any, Any, bytes]
 
 

@@ -26,19 +26,12 @@ import drain
 from drain.daemon import watchdog
 from drain.daemon.runner import State
 from tests import support
+from tests.deliveries import Deliveries
 from tests.integration.conftest import Running
-from tests.integration.test_hot_row import Deliveries
 
 #: Rows held locked, and rows of an unrelated queue staged while they are.
 LOCKED = 300
 UNRELATED = 20
-
-
-@pytest.fixture
-def other_queue() -> Iterator[str]:
-    name = support.unique("drain_test_other")
-    yield name
-    support.delete_queue(name)
 
 
 @contextlib.contextmanager

@@ -39,13 +39,6 @@ BUILDER = message.Builder(origin="gen1@test", reply_to=str(uuid.uuid4()))
 
 
 @pytest.fixture
-def other_queue() -> Iterator[str]:
-    name = support.unique("drain_test_other")
-    yield name
-    support.delete_queue(name)
-
-
-@pytest.fixture
 def exchange() -> Iterator[str]:
     name = support.unique("drain_refused_x")
     yield name
