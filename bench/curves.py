@@ -23,10 +23,10 @@ from typing import Any
 import curves_app
 import harness
 import psycopg
+from bench_throughput import raw_pika
 from harness import BROKER_URL, broker_channel, staged_count
 from pika.adapters.select_connection import SelectConnection
 
-from drain.broker.amqp import EncodedProperties
 from drain.celery import message
 from drain.daemon.runner import Drain
 from drain.postgres import status as drain_status
@@ -140,7 +140,7 @@ def queues(count: int, good: int) -> dict[str, Any]:
         raw = []
         for window in WINDOWS:
             declared = declare_pipelined(names)
-            raw.append(declared + raw_pika(messages, window))
+            raw.append(declared + raw_pika(messages, pre_encoded=True, window=window))
             delete_queues(names)
         return {"x": count, "rate": good / drain_seconds, "raw_rate": good / min(raw)}
 
@@ -167,50 +167,6 @@ def declare_pipelined(names: list[str]) -> float:
     conn.ioloop.start()
     assert state["t1"], "raw pika: the declares were not all answered"
     return state["t1"] - state["t0"]
-
-
-def raw_pika(messages: list[Any], window: int) -> float:
-    """Publish with at most ``window`` unconfirmed messages (the drain's pre-encoded
-    properties); the seconds until all were confirmed. Over many queues RabbitMQ
-    confirms out of order: the outstanding delivery tags are a set, not a count."""
-    state: dict[str, Any] = {"next": 0, "t0": 0.0, "t1": 0.0}
-    outstanding: set[int] = set()
-    box: list[Any] = []
-
-    def publish_more() -> None:
-        channel = box[0]
-        while len(outstanding) < window and state["next"] < len(messages):
-            m = messages[state["next"]]
-            channel.basic_publish("", m.routing_key, m.body,
-                                  EncodedProperties(m.encoded_properties))
-            state["next"] += 1
-            outstanding.add(state["next"])  # delivery tags count from 1
-
-    def on_confirm(frame: Any) -> None:
-        tag, multiple = frame.method.delivery_tag, frame.method.multiple
-        outstanding.difference_update([t for t in outstanding if t <= tag] if multiple
-                                      else [tag])
-        if not outstanding and state["next"] >= len(messages):
-            state["t1"] = time.perf_counter()
-            conn.close()
-        else:
-            publish_more()
-
-    def on_selectok(_frame: Any) -> None:
-        state["t0"] = time.perf_counter()
-        publish_more()
-
-    def on_channel(channel: Any) -> None:
-        box.append(channel)
-        channel.confirm_delivery(on_confirm, callback=on_selectok)
-
-    conn = SelectConnection(
-        broker_parameters(BROKER_URL),
-        on_open_callback=lambda c: c.channel(on_open_callback=on_channel),
-        on_close_callback=lambda c, e: c.ioloop.stop())
-    conn.ioloop.start()
-    assert state["t1"], "raw pika: not every message was confirmed"
-    return float(state["t1"] - state["t0"])
 
 
 def _messages(url: str) -> list[Any]:
