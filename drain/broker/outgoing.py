@@ -61,8 +61,6 @@ class Message:
     exchange: str = ""
     #: The queue declared for it ("": ``routing_key``, the row's queue).
     queue: str = ""
-    #: The row's ``queue`` column ("": ``routing_key``).
-    staged_queue: str = ""
 
     @property
     def declared_queue(self) -> str:

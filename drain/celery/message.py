@@ -221,7 +221,6 @@ def build(
         routing_key=row.queue if destination is None else destination.routing_key,
         exchange="" if destination is None else destination.exchange,
         queue="" if destination is None else destination.queue,
-        staged_queue=row.queue,
         headers=headers,
         properties=properties,
         body=body,
