@@ -66,26 +66,20 @@ class Answers:
         rows went to dead_jobs with the batch; held rows pause their key, retried
         ones (their queue declared again) pause it only when it comes again before
         a confirm. Returns the keys held or retried."""
-        held: dict[PauseKey, str] = {}
-        retried: dict[PauseKey, str] = {}
+        #: (action, key) -> the reason said: "hold" sorts before "retry".
+        pausing: dict[tuple[str, PauseKey], str] = {}
         for m, refusal in result.refused:
             self.metrics.publish_refused.labels(str(refusal.code)).inc()
             key = m.pause_key
-            if refusal.action == "hold":
+            if refusal.action in ("hold", "retry"):
                 self.holds.rows[m.row_id] = key
-                held.setdefault(key, f"broker refused a publish to exchange {m.exchange!r} "
-                                     f"({key}): {refusal.text}; its rows stay staged")
-            elif refusal.action == "retry":
-                self.holds.rows[m.row_id] = key
-                retried.setdefault(key, f"broker refused a publish to exchange "
-                                        f"{m.exchange!r} ({key}): {refusal.text}; its rows "
-                                        "stay staged")
+                pausing.setdefault((refusal.action, key), (
+                    f"broker refused a publish to exchange {m.exchange!r} ({key}): "
+                    f"{refusal.text}; its rows stay staged"))
             else:
                 self.holds.say(f"dead {refusal.text}", (
                     f"broker refused a publish ({refusal.text}): moved to dead_jobs "
                     "(reason 'refused')"))
-        for key, reason in sorted(held.items()):
-            self.holds.hold(key, reason)
-        for key, reason in sorted(retried.items()):
-            self.holds.retry(key, reason)
-        return set(held) | set(retried)
+        for (action, key), reason in sorted(pausing.items()):
+            (self.holds.hold if action == "hold" else self.holds.retry)(key, reason)
+        return {key for _, key in pausing}
