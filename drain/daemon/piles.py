@@ -135,8 +135,7 @@ def route_key(row: StagedRow) -> str:
     return f"{row.task_name}\x1f{'*' if row.unrouted else '=' + row.queue}"
 
 
-def try_due(holds: Holds, refusals: Refusals, publisher: Publisher,
-            refused_reason: Callable[[str, str], str]) -> None:
+def try_due(holds: Holds, refusals: Refusals, publisher: Publisher) -> None:
     """Declare again up to DUE_PER_CYCLE paused queues whose pause ran out: resume
     the ones the broker accepts now, pause the others for longer. A due key with
     no queue declared (an exchange and routing key, drain.broker.outgoing.PauseKey)
@@ -145,8 +144,7 @@ def try_due(holds: Holds, refusals: Refusals, publisher: Publisher,
     Trying a queue by declaring it, not by fetching its rows, keeps the marks
     past those rows (drain.postgres.keyset, "Paused queues") while the broker still
     refuses it: a fetch never steps over the pile just to find that out. The
-    longest overdue go first; ``refused_reason(queue, reply)`` says what a
-    refusal means (and counts it).
+    longest overdue go first; ``refusals`` pauses the ones refused again.
     """
     due = holds.due()
     if not due:
@@ -164,7 +162,7 @@ def try_due(holds: Holds, refusals: Refusals, publisher: Publisher,
         refused = publisher.declare({key.queue for key in due if key.queue})
     except BrokerBlocked:
         return  # tried again after the alarm
-    refusals.pause(holds, refused, refused_reason)
+    refusals.pause(refused)
     now = time.monotonic()
     for queue in refused:
         key = PauseKey(queue)
@@ -185,17 +183,20 @@ class Refusals:
     cause, reminded at most every REMIND_EVERY.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, holds: Holds, refused_reason: Callable[[str, str], str]) -> None:
+        self.holds = holds
+        #: ``refused_reason(queue, reply)`` says what a refused declare means (and
+        #: counts it: drain.daemon.answers).
+        self.refused_reason = refused_reason
         #: queue -> the cause it was said under with others.
         self.causes: dict[str, str] = {}
         #: The causes said for many queues at once: a queue refused alike later
         #: (the next batch's, say) joins its cause instead of a warning of its own.
         self.grouped: set[str] = set()
 
-    def pause(self, holds: Holds, refused: dict[str, str],
-              refused_reason: Callable[[str, str], str]) -> None:
-        """Pause each queue of ``refused`` (``{queue: the broker's reply}``);
-        ``refused_reason(queue, reply)`` says what it means (and counts it)."""
+    def pause(self, refused: dict[str, str]) -> None:
+        """Pause each queue of ``refused`` (``{queue: the broker's reply}``)."""
+        holds = self.holds
         if len(self.causes) > 2 * len(holds.paused) + 64:
             self.causes = {q: c for q, c in self.causes.items() if PauseKey(q) in holds.paused}
         codes: dict[str, list[str]] = {}
@@ -204,7 +205,7 @@ class Refusals:
         for code, queues in codes.items():
             cause = f"declare refused {code}"
             fresh = [q for q in queues if self.causes.get(q) != cause]
-            reasons = {q: refused_reason(q, refused[q]) for q in queues}
+            reasons = {q: self.refused_reason(q, refused[q]) for q in queues}
             if len(fresh) > 1 and cause not in self.grouped:
                 self.grouped.add(cause)
                 shown = ", ".join(repr(q) for q in fresh[:SHOWN])

@@ -106,7 +106,7 @@ class Pipeline:
         #: Which held rows the marks passed (drain.daemon.piles).
         self.piles = piles.HeldKeys()
         #: Many queues refused alike are one warning (drain.daemon.piles).
-        self.refusals = piles.Refusals()
+        self.refusals = piles.Refusals(self.holds, self.answers.refused_reason)
         #: Rows the broker confirmed, this process's lifetime.
         self.published = 0
         #: Removes rows only as they were read; holds out the ones that keep changing.
@@ -139,8 +139,7 @@ class Pipeline:
         staged).
         """
         if not stopping:  # outside the batch's transaction (drain.daemon.piles)
-            piles.try_due(self.holds, self.refusals, self._publisher,
-                          self.answers.refused_reason)
+            piles.try_due(self.holds, self.refusals, self._publisher)
         pending, self.inflight = self.inflight, []
         self._deferred = False
         start_error: BrokerUnavailable | None = None
@@ -301,7 +300,7 @@ class Pipeline:
         paused = set(self.holds.now_paused())
         wanted = {queue for _, queue, key in targets if key not in paused}
         refused = self._publisher.declare(wanted, until=time.monotonic() + piles.DECLARE_BUDGET)
-        self.refusals.pause(self.holds, refused, self.answers.refused_reason)
+        self.refusals.pause(refused)
         # Queues left for the next batches (drain.daemon.piles): their rows stay staged,
         # and the next cycle follows at once (cycle()).
         later = self._publisher.undeclared(wanted) - set(refused)
