@@ -301,14 +301,22 @@ def parse_args() -> argparse.Namespace:
 
 
 def prebuilt_messages(url: str, n: int, queue: str) -> list[Message]:
-    """The exact messages the drain would publish, built from ``n`` staged rows."""
+    """The exact messages the drain would publish, built from ``n`` staged rows
+    (deleted afterwards)."""
     stage(url, n, queue)
+    built = staged_messages(url)
+    with psycopg.connect(url) as conn:
+        conn.execute("DELETE FROM staged_jobs")
+    return built
+
+
+def staged_messages(url: str) -> list[Message]:
+    """The exact messages the drain would publish for the rows staged now."""
     with psycopg.connect(url) as conn:
         rows = conn.execute(
             "SELECT id, task_id, task_name, args::text, kwargs::text, queue "
             "FROM staged_jobs ORDER BY id"
         ).fetchall()
-        conn.execute("DELETE FROM staged_jobs")
     origin = message.origin()
     return [message.build(StagedRow(*r), origin=origin, reply_to=str(uuid.uuid4()))
             for r in rows]

@@ -16,21 +16,18 @@ import subprocess
 import sys
 import time
 import urllib.request
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 import curves_app
 import harness
 import psycopg
-from bench_throughput import raw_pika
+from bench_throughput import raw_pika, staged_messages
 from harness import BROKER_URL, broker_channel, staged_count
 from pika.adapters.select_connection import SelectConnection
 
-from drain.celery import message
 from drain.daemon.runner import Drain
 from drain.postgres import status as drain_status
-from drain.postgres.rows import StagedRow
 from drain.settings.config import Settings
 from drain.settings.urls import broker_parameters
 
@@ -134,7 +131,7 @@ def queues(count: int, good: int) -> dict[str, Any]:
         names = [prefix] if count == 1 else [f"{prefix}_{i}" for i in range(count)]
         setup.callback(delete_queues, names)
         sql_stage(url, good, prefix, GOOD, queues=count)
-        messages = _messages(url)
+        messages = staged_messages(url)
         drain_seconds = timed_drain(url, lambda: staged_count(url) == 0)
         delete_queues(names)
         raw = []
@@ -167,16 +164,6 @@ def declare_pipelined(names: list[str]) -> float:
     conn.ioloop.start()
     assert state["t1"], "raw pika: the declares were not all answered"
     return state["t1"] - state["t0"]
-
-
-def _messages(url: str) -> list[Any]:
-    """The messages the drain would publish for the staged rows (the rows stay)."""
-    with psycopg.connect(url) as conn:
-        rows = conn.execute("SELECT id, task_id, task_name, args::text, kwargs::text, queue "
-                            "FROM staged_jobs ORDER BY id").fetchall()
-    origin = message.origin()
-    return [message.build(StagedRow(*r), origin=origin, reply_to=str(uuid.uuid4()))
-            for r in rows]
 
 
 def held(pile: int, good: int, *, app: str = "") -> dict[str, Any]:
