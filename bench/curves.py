@@ -26,6 +26,7 @@ from bench_throughput import raw_pika, staged_messages
 from harness import BROKER_URL, broker_channel, staged_count
 from pika.adapters.select_connection import SelectConnection
 
+from drain.broker.queue_declare import DECLARE_CHANNELS
 from drain.daemon.runner import Drain
 from drain.postgres import status as drain_status
 from drain.settings.config import Settings
@@ -142,24 +143,35 @@ def queues(count: int, good: int) -> dict[str, Any]:
         return {"x": count, "rate": good / drain_seconds, "raw_rate": good / min(raw)}
 
 
-def declare_pipelined(names: list[str]) -> float:
-    """Declare the durable queues with ``nowait`` and one ``basic.qos`` barrier; the
-    seconds from the connection being open until the barrier was answered."""
-    state = {"t0": 0.0, "t1": 0.0}
+def declare_pipelined(names: list[str], channels: int = DECLARE_CHANNELS) -> float:
+    """Declare the durable queues over ``channels`` channels at once, each channel's
+    share sent with ``nowait`` and one ``basic.qos`` as its barrier; the seconds from
+    the channels being open until every barrier was answered."""
+    state = {"t0": 0.0, "t1": 0.0, "left": channels}
+    opened: list[Any] = []
 
     def on_barrier(_frame: Any) -> None:
-        state["t1"] = time.perf_counter()
-        conn.close()
+        state["left"] -= 1
+        if not state["left"]:
+            state["t1"] = time.perf_counter()
+            conn.close()
 
     def on_channel(channel: Any) -> None:
+        opened.append(channel)
+        if len(opened) < channels:
+            return
         state["t0"] = time.perf_counter()
-        for name in names:
-            channel.queue_declare(name, durable=True)  # no callback: nowait
-        channel.basic_qos(prefetch_count=0, callback=on_barrier)
+        for i, each in enumerate(opened):
+            for name in names[i::channels]:
+                each.queue_declare(name, durable=True)  # no callback: nowait
+            each.basic_qos(prefetch_count=0, callback=on_barrier)
+
+    def on_open(c: Any) -> None:
+        for _ in range(channels):
+            c.channel(on_open_callback=on_channel)
 
     conn = SelectConnection(
-        broker_parameters(BROKER_URL),
-        on_open_callback=lambda c: c.channel(on_open_callback=on_channel),
+        broker_parameters(BROKER_URL), on_open_callback=on_open,
         on_close_callback=lambda c, e: c.ioloop.stop())
     conn.ioloop.start()
     assert state["t1"], "raw pika: the declares were not all answered"

@@ -4,9 +4,10 @@
 queue declares that come before publishing: each queue is declared (durable,
 as Celery does, or only checked with ``passive``) once per connection, the
 first time a batch goes to it, and again after :meth:`QueueDeclaringLink.forget`
-(it went missing). The declares go through a second channel, which the
-broker closes when it refuses one, so the publishing channel and the batches
-in flight on it are not disturbed. :class:`drain.broker.publisher.Publisher` builds
+(it went missing). The declares go through channels of their own, several
+queues at once (DECLARE_CHANNELS), and the broker closes the channel of a
+declare it refuses, so the publishing channel and the batches in flight on it
+are not disturbed. :class:`drain.broker.publisher.Publisher` builds
 on this.
 
 What a queue is declared as is a :class:`QueueSpec`: by default a durable
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pika
+import pika.exceptions
 
 from drain.broker.amqp_link import AmqpLink
 from drain.broker.broker_list import BrokerList
@@ -91,89 +93,179 @@ class QueueDeclaringLink(AmqpLink):
                          connect_timeout=connect_timeout, secrets=secrets)
         self._declare_mode = declare
         self._declared: set[str] = set()
-        self._declare_channel: Any = None
-        self._declare_refusal: str | None = None
+        #: The declare channels (at most DECLARE_CHANNELS), and those with nothing to do.
+        self._lanes: list[_Lane] = []
+        self._idle: list[_Lane] = []
+        #: What the lanes take their queues from: the latest declare() call's.
+        self._work: _Declares | None = None
+        #: Queues being declared, and refusals not returned yet (queue: the reason).
+        self._in_flight: set[str] = set()
+        self._refusals: dict[str, str] = {}
+        self._answered_at = 0.0
         #: How each queue is declared (drain.celery.routing gives the app's entities).
         self._specs = specs or classic(queue_max_priority)
 
     def _new_connection(self) -> None:
         super()._new_connection()
         self._declared.clear()
+        self._forget_lanes()
 
     def close(self) -> None:
         """Close the connection (if any); never raises."""
-        self._declare_channel = None
+        self._forget_lanes()
         super().close()
+
+    def _forget_lanes(self) -> None:
+        """The declare channels belong to their connection."""
+        self._lanes, self._idle, self._work = [], [], None
+        self._in_flight.clear()
+        self._refusals.clear()
 
     def declare(self, queues: set[str], *, until: float | None = None) -> dict[str, str]:
         """Declare (or, passively, check) the queues not declared yet on this connection.
 
         Returns the refused queues with the broker's reason (406 for a queue that
         exists with other arguments, 404 for a missing queue in passive mode).
-        ``until`` (monotonic): start no declare after it, leaving the rest
-        undeclared (:meth:`undeclared`) for a later call; at least one is tried.
-        Declares go through a channel of their own, which a refusal closes, so
-        the publishing channel and the batches in flight are not disturbed.
-        Raises :class:`BrokerUnavailable` when the connection itself fails, and
-        :class:`BrokerBlocked` when the broker blocks it before answering.
+        Declares go through channels of their own, which a refusal closes, so
+        the publishing channel and the batches in flight are not disturbed; up to
+        DECLARE_CHANNELS queues are declared at once, one per channel (a queue's own
+        steps, exchanges, queue, bindings, stay in order on its channel).
+
+        ``until`` (monotonic): start no declare after it, and return by then with
+        the rest undeclared (:meth:`undeclared`) for a later call; the declares
+        under way go on meanwhile, and a refusal among them is returned by the
+        call that next asks for its queue. Without it, every queue is answered
+        before it returns.
+
+        Raises :class:`BrokerUnavailable` when the connection fails, when the
+        broker answers no declare for ``connect_timeout`` (without ``until``), or
+        leaves one unanswered for DECLARE_PATIENCE; :class:`BrokerBlocked` when the
+        broker blocks the connection before answering.
         """
-        refused: dict[str, str] = {}
-        for n, queue in enumerate(sorted(queues - self._declared)):
-            if until is not None and n and time.monotonic() > until:
-                break
-            spec = self._specs(queue)
-            if spec.no_declare:
-                self._declared.add(queue)
-                continue
-            passive = self._declare_mode == "passive"
-            # The exchanges first, then the queue, then its bindings: what kombu's
-            # Queue.declare does (it declares an extra binding's exchange just before
-            # that binding, which comes to the same).
-            steps: list[Callable[[Any, Callable[[Any], None]], None]] = []
-            if not passive:
-                steps += [_exchange_step(b.exchange) for b in spec.bindings
-                          if b.declare_exchange]
-            steps.append(_queue_step(spec, passive=passive))
-            if not passive:
-                steps += [_bind_step(spec.name, b) for b in spec.bindings]
-            for step in steps:
-                reason = self._declare_step(step)
-                if reason is not None:
-                    refused[queue] = reason
-                    break
-            else:
-                self._declared.add(queue)
-        return refused
-
-    def _declare_step(self, step: Callable[[Any, Callable[[Any], None]], None]) -> str | None:
-        """One declare or bind on the declare channel: None when the broker agreed,
-        else its reason (the channel is then closed, and opened anew for the next)."""
+        asked = queues - self._declared
+        if not asked:
+            return {}
         self._raise_if_failed()
-        channel = self._declare_channel_open()
-        answer: dict[str, str] = {}
+        if self._conn is None:
+            raise BrokerUnavailable(f"broker at {self._display_url}: not connected")
+        self._work = work = _Declares(
+            sorted(asked - self._refusals.keys() - self._in_flight), until)
+        self._answered_at = time.monotonic()  # quiet: since this call or the last answer
+        self._start_lanes()
 
-        def on_done(_frame: Any, answer: dict[str, str] = answer) -> None:
-            answer["ok"] = ""
-            self._wake()
+        def answered() -> bool:
+            return not work.more() and not asked & self._in_flight
 
-        step(channel, on_done)
-
-        def answered(answer: dict[str, str] = answer) -> bool:
-            return (bool(answer) or self._declare_channel is None
-                    or self._failure is not None or self.blocked is not None)
-
-        self._run_until(answered, self._connect_timeout)
-        if not answer and self._failure is None and self.blocked is not None:
-            raise BrokerBlocked(self.blocked)  # the answer comes after the alarm
-        if "ok" in answer:
-            return None
-        if self._failure is not None:
+        while not answered():
+            now = time.monotonic()
+            oldest = min((lane.since for lane in self._lanes if lane.queue is not None),
+                         default=now)
+            if now - oldest >= DECLARE_PATIENCE or (
+                    until is None and now - self._answered_at >= self._connect_timeout):
+                raise BrokerUnavailable(
+                    f"broker at {self._display_url} did not answer a queue declare in time")
+            wait = min(oldest + DECLARE_PATIENCE,
+                       self._answered_at + self._connect_timeout if until is None else until)
+            self._run_until(lambda: (answered() or self._failure is not None
+                                     or self.blocked is not None), wait - now)
+            if answered():
+                break
             self._raise_if_failed()
-        if self._declare_channel is None:
-            return self._declare_refusal or "refused"
-        raise BrokerUnavailable(
-            f"broker at {self._display_url} did not answer a queue declare in time"
-        )
+            if self.blocked is not None:
+                raise BrokerBlocked(self.blocked)  # the answers come after the alarm
+            if until is not None and time.monotonic() >= until:
+                break
+        return {queue: self._refusals.pop(queue) for queue in asked & self._refusals.keys()}
+
+    def _start_lanes(self) -> None:
+        """Set the idle lanes to work, and open lanes up to DECLARE_CHANNELS while
+        there are queues left for them."""
+        work = self._work
+        while work is not None and work.more() and self._idle:
+            self._next_declare(self._idle.pop())
+        while work is not None and work.more() and len(self._lanes) < DECLARE_CHANNELS:
+            lane = _Lane()
+            self._lanes.append(lane)
+            self._open_lane(lane)
+            if lane not in self._lanes:
+                break  # the connection is going
+
+    def _open_lane(self, lane: _Lane) -> None:
+        """Open a channel for ``lane``, which then declares the next queue."""
+        conn = self._conn
+
+        def on_open(channel: Any) -> None:
+            lane.channel = channel
+            channel.add_on_close_callback(lambda _ch, exc: self._lane_closed(lane, exc))
+            self._next_declare(lane)
+
+        lane.queue, lane.since = "", time.monotonic()  # busy opening
+        if conn is None or not conn.is_open:
+            self._lane_gone(lane)  # the connection went: declare() raises its failure
+            return
+        try:
+            conn.channel(on_open_callback=on_open)
+        except pika.exceptions.AMQPError:  # the connection is closing: the same
+            self._lane_gone(lane)
+
+    def _next_declare(self, lane: _Lane) -> None:
+        """Declare the next queue on ``lane``'s channel, its steps one after the other;
+        with none left, the lane is idle."""
+        while True:
+            queue = self._work.take() if self._work is not None else None
+            if queue is None:
+                lane.queue = None
+                self._idle.append(lane)
+                self._wake()
+                return
+            spec = self._specs(queue)
+            if not spec.no_declare:
+                break
+            self._declared.add(queue)  # the app never declares it; neither does the drain
+        lane.queue, lane.since = queue, time.monotonic()
+        self._in_flight.add(queue)
+        steps = _steps(spec, passive=self._declare_mode == "passive")
+        channel = lane.channel
+
+        def advance(_frame: Any = None) -> None:
+            if lane.channel is not channel:
+                return  # closed meanwhile: _lane_closed took it in hand
+            if not steps:
+                self._in_flight.discard(queue)
+                self._declared.add(queue)
+                self._answered_at = time.monotonic()
+                self._next_declare(lane)
+                return
+            try:
+                steps.pop(0)(channel, advance)
+            except pika.exceptions.AMQPError:  # the channel or connection is closing
+                self._in_flight.discard(queue)
+                self._lane_gone(lane)
+
+        advance()
+
+    def _lane_closed(self, lane: _Lane, exc: BaseException) -> None:
+        """A declare channel closed: the broker refused its queue (the lane reopens
+        and goes on), or the connection went (the lane ends)."""
+        lane.channel = None
+        queue = lane.queue
+        if queue:
+            self._in_flight.discard(queue)
+        if queue and isinstance(exc, pika.exceptions.ChannelClosedByBroker):
+            self._refusals[queue] = self._text(exc)
+            self._answered_at = time.monotonic()
+            self._wake()
+            self._open_lane(lane)
+            return
+        self._lane_gone(lane)
+
+    def _lane_gone(self, lane: _Lane) -> None:
+        lane.queue = None
+        if lane in self._idle:
+            self._idle.remove(lane)
+        if lane in self._lanes:
+            self._lanes.remove(lane)
+        self._wake()
 
     def undeclared(self, queues: set[str]) -> set[str]:
         """Those of ``queues`` not declared on this connection yet."""
@@ -183,32 +275,61 @@ class QueueDeclaringLink(AmqpLink):
         """Declare ``queue`` again before the next publish to it (it went missing)."""
         self._declared.discard(queue)
 
-    def _declare_channel_open(self) -> Any:
-        if self._declare_channel is None:
-            conn = self._conn
-            if conn is None:
-                raise BrokerUnavailable(f"broker at {self._display_url}: not connected")
-            opened: list[Any] = []
 
-            def on_open(channel: Any) -> None:
-                channel.add_on_close_callback(self._on_declare_channel_closed)
-                opened.append(channel)
-                self._wake()
+#: Queues declared at once, each on a channel of its own. RabbitMQ creates queues
+#: on different channels in parallel: 2,000 new durable queues took 4.1 s one after
+#: the other on one channel (with or without ``nowait``), 1.7 s on 4 channels and
+#: 1.0 s on 16, on the 2-core machine; a refused declare closes only its own channel.
+DECLARE_CHANNELS = 16
+#: Seconds one declare may go unanswered before the connection is given up. A broker
+#: that is busy (creating thousands of queues while writing messages to them) can
+#: take seconds per declare; one that answers heartbeats but never a declare is
+#: stuck, and a new connection is the way out.
+DECLARE_PATIENCE = 60.0
 
-            conn.channel(on_open_callback=on_open)
-            self._run_until(lambda: bool(opened) or self._failure is not None,
-                            self._connect_timeout)
-            self._raise_if_failed()
-            if not opened:
-                raise BrokerUnavailable(f"broker at {self._display_url}: no channel in time")
-            self._declare_channel = opened[0]
-            self._declare_refusal = None
-        return self._declare_channel
 
-    def _on_declare_channel_closed(self, _channel: Any, exc: BaseException) -> None:
-        self._declare_channel = None
-        self._declare_refusal = self._text(exc)
-        self._wake()
+@dataclasses.dataclass(eq=False)
+class _Lane:
+    """One declare channel: the queue it declares ('' while the channel opens,
+    None when idle) and since when."""
+
+    channel: Any = None
+    queue: str | None = None
+    since: float = 0.0
+
+
+class _Declares:
+    """The queues one :meth:`QueueDeclaringLink.declare` call starts, in order."""
+
+    def __init__(self, queues: list[str], until: float | None) -> None:
+        self.todo = queues
+        self.next = 0
+        self.until = until
+
+    def more(self) -> bool:
+        """Queues left to start: the budget not spent (at least one is started)."""
+        return self.next < len(self.todo) and (
+            self.until is None or not self.next or time.monotonic() <= self.until)
+
+    def take(self) -> str | None:
+        """The next queue to declare, or None."""
+        if not self.more():
+            return None
+        self.next += 1
+        return self.todo[self.next - 1]
+
+
+def _steps(spec: QueueSpec, *, passive: bool) -> list[Callable[[Any, Callable[[Any], None]], None]]:
+    """A queue's declare steps, in the order kombu's Queue.declare takes them: the
+    exchanges, the queue, then its bindings (kombu declares an extra binding's exchange
+    just before that binding, which comes to the same). Passive: the queue only."""
+    steps: list[Callable[[Any, Callable[[Any], None]], None]] = []
+    if not passive:
+        steps += [_exchange_step(b.exchange) for b in spec.bindings if b.declare_exchange]
+    steps.append(_queue_step(spec, passive=passive))
+    if not passive:
+        steps += [_bind_step(spec.name, b) for b in spec.bindings]
+    return steps
 
 
 def _exchange_step(exchange: ExchangeSpec) -> Callable[[Any, Callable[[Any], None]], None]:
