@@ -32,6 +32,11 @@ from drain.broker.amqp_link import AmqpLink
 from drain.broker.broker_list import BrokerList
 from drain.errors import BrokerBlocked, BrokerUnavailable
 
+#: A declare's callback, given the broker's answer.
+Done = Callable[[Any], None]
+#: One declare or bind, sent on the channel given; ``done`` is called with the answer.
+Step = Callable[[Any, Done], None]
+
 
 @dataclasses.dataclass(frozen=True)
 class ExchangeSpec:
@@ -267,6 +272,11 @@ class QueueDeclaringLink(AmqpLink):
             self._lanes.remove(lane)
         self._wake()
 
+    @property
+    def in_flight(self) -> frozenset[str]:
+        """The queues being declared now."""
+        return frozenset(self._in_flight)
+
     def undeclared(self, queues: set[str]) -> set[str]:
         """Those of ``queues`` not declared on this connection yet."""
         return queues - self._declared
@@ -319,11 +329,11 @@ class _Declares:
         return self.todo[self.next - 1]
 
 
-def _steps(spec: QueueSpec, *, passive: bool) -> list[Callable[[Any, Callable[[Any], None]], None]]:
+def _steps(spec: QueueSpec, *, passive: bool) -> list[Step]:
     """A queue's declare steps, in the order kombu's Queue.declare takes them: the
     exchanges, the queue, then its bindings (kombu declares an extra binding's exchange
     just before that binding, which comes to the same). Passive: the queue only."""
-    steps: list[Callable[[Any, Callable[[Any], None]], None]] = []
+    steps: list[Step] = []
     if not passive:
         steps += [_exchange_step(b.exchange) for b in spec.bindings if b.declare_exchange]
     steps.append(_queue_step(spec, passive=passive))
@@ -332,23 +342,23 @@ def _steps(spec: QueueSpec, *, passive: bool) -> list[Callable[[Any, Callable[[A
     return steps
 
 
-def _exchange_step(exchange: ExchangeSpec) -> Callable[[Any, Callable[[Any], None]], None]:
-    def step(channel: Any, done: Callable[[Any], None]) -> None:
+def _exchange_step(exchange: ExchangeSpec) -> Step:
+    def step(channel: Any, done: Done) -> None:
         channel.exchange_declare(
             exchange.name, exchange_type=exchange.type, durable=exchange.durable,
             auto_delete=exchange.auto_delete, arguments=exchange.arguments, callback=done)
     return step
 
 
-def _bind_step(queue: str, binding: BindingSpec) -> Callable[[Any, Callable[[Any], None]], None]:
-    def step(channel: Any, done: Callable[[Any], None]) -> None:
+def _bind_step(queue: str, binding: BindingSpec) -> Step:
+    def step(channel: Any, done: Done) -> None:
         channel.queue_bind(queue, binding.exchange.name, routing_key=binding.routing_key,
                            arguments=binding.arguments, callback=done)
     return step
 
 
-def _queue_step(spec: QueueSpec, *, passive: bool) -> Callable[[Any, Callable[[Any], None]], None]:
-    def step(channel: Any, done: Callable[[Any], None]) -> None:
+def _queue_step(spec: QueueSpec, *, passive: bool) -> Step:
+    def step(channel: Any, done: Done) -> None:
         channel.queue_declare(spec.name, passive=passive, durable=spec.durable,
                               exclusive=spec.exclusive, auto_delete=spec.auto_delete,
                               arguments=spec.arguments, callback=done)
