@@ -9,7 +9,7 @@ is also what a pause is keyed by (:class:`PauseKey`, drain.daemon.holds).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 #: The declaration key (:attr:`Message.queue`) of a message for which nothing is
 #: declared (with ``--app``: a ``Broadcast`` route, a route with an exchange and no
@@ -18,13 +18,14 @@ from typing import Any
 NOTHING_DECLARED = "amq.drain: nothing declared"
 
 
-@dataclasses.dataclass(frozen=True, slots=True, order=True)
-class PauseKey:
+class PauseKey(NamedTuple):
     """What a pause is keyed by: what failed (drain.daemon.holds).
 
     The declared queue (its declaration key) when one is declared for the
     message; else, for a route to an exchange with nothing declared, that
-    exchange and routing key.
+    exchange and routing key. A tuple, not a dataclass: the holds look one up
+    per held row and per cycle (100,000 held rows: 100,000 lookups), and a
+    tuple's hash and equality are the interpreter's, not a Python method's.
     """
 
     #: The declaration key ("": nothing declared; see ``exchange``).

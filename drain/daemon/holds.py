@@ -94,14 +94,13 @@ class Holds:
         """The rows to leave out of the fetch: those whose key is paused now.
         Rows whose key was resumed are forgotten."""
         now = time.monotonic()
-        out = []
-        for row_id, key in list(self.rows.items()):
-            entry = self.paused.get(key)
-            if entry is None:
-                del self.rows[row_id]
-            elif entry[0] > now:
-                out.append(row_id)
-        return out
+        paused = self.paused
+        # Once per key, then a pass per row in comprehensions: 100,000 held rows
+        # are looked at every cycle.
+        live = {key for key, entry in paused.items() if entry[0] > now}
+        for row_id in [row_id for row_id, key in self.rows.items() if key not in paused]:
+            del self.rows[row_id]
+        return [row_id for row_id, key in self.rows.items() if key in live]
 
     def now_paused(self) -> list[PauseKey]:
         now = time.monotonic()

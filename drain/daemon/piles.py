@@ -115,14 +115,10 @@ class HeldKeys:
         if len(self.keys) > len(holds.rows):
             self.keys = {i: k for i, k in self.keys.items() if i in holds.rows}
         marks = dict(zip(plan.priorities, plan.marks, strict=True))
-        out = []
-        for row_id in held:
-            key = self.keys.get(row_id)
-            if key is not None:
-                mark = marks.get(key[0])
-                if mark is not None and (key[1], key[2]) < mark:
-                    continue
-            out.append(row_id)
+        keys = self.keys
+        out = [row_id for row_id in held
+               if (key := keys.get(row_id)) is None or (mark := marks.get(key[0])) is None
+               or (key[1], key[2]) >= mark]
         self.above = out
         return out
 
