@@ -121,11 +121,9 @@ def queues(count: int, good: int) -> dict[str, Any]:
     """``good`` jobs over ``count`` queues: the drain, and raw pika declaring the same
     queues and publishing the same messages at its best window.
 
-    Raw pika declares at its best, every queue declare sent with ``nowait`` and
-    one synchronous ``basic.qos`` as the barrier: one round trip for all of them
-    (the drain waits for each declare; pipelining them was tried for issue 36 and
-    made 10,000 queues worse: the broker, creating ~1,000 queues at once, then
-    confirmed no publish within the confirm timeout)."""
+    Raw pika declares at its best: over as many channels at once as the drain
+    (DECLARE_CHANNELS), each channel's share sent with ``nowait`` and one
+    ``basic.qos`` as its barrier (:func:`declare_pipelined`)."""
     with harness.Setup("curve_queues") as setup:
         url = setup.database()
         prefix = f"bench_curve_queues_{setup.tag}"

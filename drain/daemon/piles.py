@@ -60,17 +60,19 @@ from drain.postgres import keyset
 from drain.postgres.rows import StagedRow
 
 #: At most this many paused queues are declared again per cycle; the rest stay
-#: due for the next cycles. A declare is one round trip (more with bindings).
+#: due for the next cycles. A declare is one round trip (more with bindings), and
+#: they go DECLARE_CHANNELS at a time (drain.broker.queue_declare).
 DUE_PER_CYCLE = 32
 #: Seconds of queue declares a batch may start before it publishes: the rows of
 #: the queues left undeclared stay staged for the next batches, which declare
 #: them in turn. 1,000 new queues the broker refuses, one batch's worth, took
-#: 1.5 s to declare (each refusal closes the declare channel: two round trips
-#: more), and held up every other queue's rows meanwhile. Not much less: each
+#: 1.5 s to declare one after the other (each refusal closes its declare channel:
+#: two round trips more; they now go 16 at a time, drain.broker.queue_declare), and
+#: held up every other queue's rows meanwhile. Not much less: each
 #: batch fetches the undeclared queues' rows again, so a tight budget walks a
 #: pile of new queues many times (bench_curves, curve refused: 1,000 refused
 #: queues staged before 20,000 good jobs, the good jobs' rate 0.28 x with 0.05 s,
-#: 0.40-0.46 x with 0.25-0.5 s, as before the budget).
+#: 0.40-0.46 x with 0.25-0.5 s, as before the budget; declared one at a time).
 DECLARE_BUDGET = 0.25
 #: Queues named in one warning for many refused alike.
 SHOWN = 5
