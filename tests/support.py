@@ -499,6 +499,7 @@ class TcpProxy:
     * :meth:`refuse` cuts every connection and stops listening, so connecting
       gets "connection refused" (a service that is down); :meth:`restart`
       listens again on the same port.
+    * :meth:`throttle` forwards what clients send at a set rate (a slow link).
     * :meth:`stop` (teardown) is :meth:`refuse`.
     """
 
@@ -512,6 +513,8 @@ class TcpProxy:
         #: Connections accepted so far (over every start/restart).
         self.accepted = 0
         self._held = 0
+        #: Bytes a second forwarded from clients (0: as fast as they come).
+        self._rate = 0
 
     def start(self) -> TcpProxy:
         server = socket.socket()
@@ -585,7 +588,10 @@ class TcpProxy:
                     valve.wait()
                     with self._lock:
                         self._held -= 1
-                dst.sendall(data)
+                if self._rate and src is link.sockets[0]:
+                    self._trickle(dst, data)
+                else:
+                    dst.sendall(data)
         except OSError:
             pass
         finally:
@@ -595,6 +601,18 @@ class TcpProxy:
             src.close()  # each direction's thread closes the socket it reads from
             with self._lock, contextlib.suppress(ValueError):
                 self._links.remove(link)
+
+    def throttle(self, bytes_per_second: int) -> None:
+        """Forward what clients send at most this fast, a small piece at a time
+        (0: as fast as it comes). What comes back is not held up."""
+        self._rate = bytes_per_second
+
+    def _trickle(self, dst: socket.socket, data: bytes) -> None:
+        piece = max(1, self._rate // 20)  # 20 pieces a second
+        for i in range(0, len(data), piece):
+            dst.sendall(data[i:i + piece])
+            if self._rate:
+                time.sleep(piece / self._rate)  # the link's pace, not a synchronisation
 
     def cut(self) -> None:
         """Drop every open connection (new ones are still accepted)."""

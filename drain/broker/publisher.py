@@ -131,6 +131,9 @@ class Publisher(RefusalProbingLink):
                          connect_timeout=connect_timeout, secrets=secrets,
                          queue_max_priority=queue_max_priority, specs=specs)
         self._confirm_timeout = confirm_timeout
+        #: Called while a wait for confirms goes on past the confirm timeout because
+        #: confirms still come (:meth:`wait`): the drain's loop is not stuck.
+        self.on_progress: Callable[[], None] | None = None
         # Batches published and not yet waited for, oldest first.
         self._inflight: list[Batch] = []
         self._generation = 0
@@ -230,8 +233,10 @@ class Publisher(RefusalProbingLink):
     def wait(
         self, batch: Batch, timeout: float | None = None, *, until_blocked: bool = False
     ) -> PublishResult:
-        """Wait for ``batch``'s confirms (up to ``timeout``, default the confirm
-        timeout) and report them.
+        """Wait for ``batch``'s confirms and report them: up to ``timeout``, or by
+        default until a whole confirm timeout passes without a confirm for the
+        batch (a slow broker's batch is kept as long as its confirms come; one
+        that stopped confirming it is given up).
 
         With ``until_blocked``, a broker that blocks the connection (a resource
         alarm) ends the wait early with :class:`BrokerBlocked` and leaves the batch
@@ -246,7 +251,17 @@ class Publisher(RefusalProbingLink):
             return (batch.resolved >= n or self._failure is not None
                     or self._refusal is not None or (until_blocked and self.blocked is not None))
 
+        seen = batch.resolved
         finished = current and self._run_until(done, limit)
+        # A broker that confirms slowly has not stopped (thousands of queues, each
+        # writing its own messages, confirm a few dozen a second): the batch is given
+        # up only after a whole confirm timeout without a confirm for it.
+        while (current and not finished and timeout is None and batch.resolved > seen
+               and self._failure is None and self._refusal is None):
+            seen = batch.resolved
+            if self.on_progress is not None:
+                self.on_progress()
+            finished = self._run_until(done, limit)
         if current and self._refusal is not None:
             self._recover()  # resolves every message published on the refused channel
             finished = batch.resolved >= n or self._run_until(done, limit)
@@ -264,8 +279,8 @@ class Publisher(RefusalProbingLink):
             )
         elif not finished:
             error = BrokerUnavailable(
-                f"broker at {self._display_url} confirmed {batch.resolved} of {n} messages "
-                f"within {limit:g}s"
+                f"broker at {self._display_url} confirmed {batch.resolved} of {n} messages, "
+                f"then none for {limit:g}s"
             )
             # Late acks must never be mistaken for another batch's: start afresh.
             self._failure = "abandoned a batch after the confirm timeout"

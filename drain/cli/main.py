@@ -113,7 +113,8 @@ def _add_run_parser(sub: Any) -> None:
         p, "--confirm-timeout", env="DRAIN_CONFIRM_TIMEOUT", default=30.0,
         parse=options.POSITIVE_SECONDS,
         metavar="SECONDS",
-        help="abandon a batch (rows stay staged) when the broker has not confirmed it by then",
+        help="abandon a batch (rows stay staged) when the broker confirms none of it "
+             "for this long",
     )
     options.add(
         p, "--broker-heartbeat", env="DRAIN_BROKER_HEARTBEAT", default=30,

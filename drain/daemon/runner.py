@@ -122,6 +122,9 @@ class Drain:
         )
         # Heartbeats and confirms go on while a Postgres command waits (a lock).
         self._store.while_waiting = self._publisher.serve
+        # A wait for a slow broker's confirms that goes on while they come is a loop
+        # that goes round (/healthz, the watchdog).
+        self._publisher.on_progress = self._beat
         # Read from the publisher when scraped: nothing to keep up to date per cycle.
         publisher = self._publisher
         self.metrics.broker_blocked.set_function(
@@ -404,6 +407,9 @@ class Drain:
         if exc is None:
             return "unknown error"
         return str(exc) if isinstance(exc, DrainError) else scrub(str(exc), self._secrets)
+
+    def _beat(self) -> None:
+        self._heartbeat = time.monotonic()
 
     def _sleep(self, seconds: float) -> None:
         """Sleep, but return at once when asked to stop."""

@@ -1,0 +1,86 @@
+"""A broker that confirms slowly is not a broker that stopped (drain.broker.publisher,
+``Publisher.wait``): against the real RabbitMQ behind a slow link, a batch whose
+confirms keep coming is kept past the confirm timeout, every message confirmed once;
+a batch that gets no confirm for a whole confirm timeout is still given up."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from drain.broker.outgoing import Message
+from drain.broker.publisher import Publisher
+from drain.celery import message
+from drain.postgres.rows import StagedRow
+from drain.settings.urls import broker_parameters
+from tests import support
+
+BUILDER = message.Builder(origin="gen1@test", reply_to=str(uuid.uuid4()))
+CONFIRM_TIMEOUT = 1.0
+COUNT = 60
+#: Each message about 2.5 KB on the wire: at 20 KB/s the batch reaches the broker over
+#: ~7 s, a piece every 50 ms, so its confirms come over several confirm timeouts,
+#: never far apart.
+SIZE = 900
+RATE = 20_000
+
+
+@pytest.fixture
+def proxy() -> Iterator[support.TcpProxy]:
+    proxy = support.TcpProxy(support.BROKER_PORT).start()
+    yield proxy
+    proxy.stop()
+
+
+def _publisher(proxy: support.TcpProxy) -> Publisher:
+    pub = Publisher(broker_parameters(support.broker_url(proxy.port)), display_url="broker",
+                    confirm_timeout=CONFIRM_TIMEOUT)
+    pub.connect()
+    return pub
+
+
+def _batch(queue: str) -> list[Message]:
+    return [BUILDER.build(StagedRow(i, uuid.uuid4(), "t.slow", f'["{"x" * SIZE}"]', "{}", queue))
+            for i in range(1, COUNT + 1)]
+
+
+def test_a_batch_whose_confirms_keep_coming_is_kept(
+        queue: str, proxy: support.TcpProxy) -> None:
+    pub = _publisher(proxy)
+    progressed = []
+    pub.on_progress = lambda: progressed.append(time.monotonic())
+    try:
+        assert pub.declare({queue}) == {}
+        proxy.throttle(RATE)
+        messages = _batch(queue)
+        batch = pub.start(iter(messages), queues={queue}, count=COUNT)
+        result = pub.wait(batch)
+        assert result.error is None, result.error
+        assert sorted(result.confirmed) == [m.row_id for m in messages]
+        # The wait outlived the confirm timeout (the link is that slow), and said so.
+        assert progressed, "the confirms came within one confirm timeout: slow the link down"
+    finally:
+        proxy.throttle(0)
+        pub.close()
+    delivered = support.drain_queue(queue, timeout=0.5)
+    assert sorted(support.task_ids(delivered)) == sorted(m.task_id for m in messages)
+
+
+def test_a_batch_without_a_confirm_for_a_whole_timeout_is_given_up(
+        queue: str, proxy: support.TcpProxy) -> None:
+    pub = _publisher(proxy)
+    try:
+        assert pub.declare({queue}) == {}
+        proxy.stall()
+        batch = pub.start(iter(_batch(queue)), queues={queue}, count=COUNT)
+        result = pub.wait(batch)
+        assert result.error is not None
+        assert f"confirmed 0 of {COUNT} messages, then none for {CONFIRM_TIMEOUT:g}s" in str(
+            result.error)
+        assert result.confirmed == []
+    finally:
+        proxy.resume()
+        pub.close()
