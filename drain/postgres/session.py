@@ -9,7 +9,6 @@ the lock and the batches on top of it.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import datetime as dt
 import logging
@@ -19,7 +18,8 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import psycopg
 import psycopg.errors
@@ -40,6 +40,8 @@ from drain.settings.url_parts import first_line
 from drain.settings.urls import mask_database_url, scrub
 
 log = logging.getLogger("drain.session")
+
+T = TypeVar("T")
 
 #: Server-side settings of the drain's own session. It must never become the
 #: long transaction that stops vacuum for everyone else, and the server must
@@ -90,9 +92,11 @@ class Session:
     A command may wait, for a lock say, up to the session's lock and statement
     timeouts. The loop's other connection must not starve meanwhile: the
     broker drops a connection whose heartbeats stop (two missed, 2 s with a
-    1 s heartbeat). So with :attr:`while_waiting` set, each command runs on a
-    helper thread while the calling thread calls it every SERVE_EVERY until the
-    answer comes (the connection is only ever used by one thread at a time).
+    1 s heartbeat). So with :attr:`while_waiting` set, a :class:`Watch` thread
+    calls it every SERVE_EVERY while a command has been waiting that long.
+    Each command still runs on the calling thread, as without it: most
+    answer within a millisecond, and a handoff to another thread and back
+    cost more than that on every command (see :class:`Watch`).
     """
 
     def __init__(self, settings: Settings) -> None:
@@ -116,10 +120,12 @@ class Session:
         #: The server's pid for this session (``pg_backend_pid()``): through a
         #: pool, ``conn.info.backend_pid`` is the pool's key, not the server's.
         self.server_pid = 0
-        #: Called on the calling thread every SERVE_EVERY while a command waits
-        #: (the broker's I/O loop: drain.daemon.runner); it must not raise.
+        #: Called every SERVE_EVERY while a command waits, from the session's
+        #: :class:`Watch` thread, never at the same time as the calling thread
+        #: runs anything but the command (the broker's I/O loop:
+        #: drain.daemon.runner); it must not raise.
         self.while_waiting: Callable[[], None] | None = None
-        self._helper: concurrent.futures.ThreadPoolExecutor | None = None
+        self._watch: Watch | None = None
 
     @property
     def connected(self) -> bool:
@@ -202,6 +208,9 @@ class Session:
             if conn is not None:
                 with contextlib.suppress(Exception):
                     conn.close()
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.stop()
 
     def abandon(self, bound: float) -> float | None:
         """From the watchdog thread: when the server has owed the answer to a
@@ -295,10 +304,16 @@ class Session:
     def _execute(
         self, name: str, params: dict[str, object] | None = None
     ) -> psycopg.Cursor[tuple[object, ...]]:
+        query = self._query(name)
+        return self._guarded(lambda conn: conn.execute(query, params))
+
+    def _guarded(self, work: Callable[[psycopg.Connection[tuple[object, ...]]], T]) -> T:
+        """``work(conn)``, the session's commands (:meth:`_run`), with the drain's
+        errors for the driver's."""
         conn = self._require()
         try:
             self.asked_at = time.monotonic()
-            return self._run(conn, self._query(name), params)
+            return self._run(conn, work)
         except (psycopg.errors.InsufficientPrivilege, psycopg.errors.UndefinedTable,
                 psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction) as exc:
             refused = refusal(exc, self._display, RUNNER_GRANT)
@@ -310,19 +325,20 @@ class Session:
             self.close()
             raise self._unavailable("lost", exc) from None
 
-    def _run(self, conn: psycopg.Connection[tuple[object, ...]], query: str,
-             params: dict[str, object] | None) -> psycopg.Cursor[tuple[object, ...]]:
-        """Run one command; while it waits, call :attr:`while_waiting` now and then."""
+    def _run(self, conn: psycopg.Connection[tuple[object, ...]],
+             work: Callable[[psycopg.Connection[tuple[object, ...]]], T]) -> T:
+        """``work(conn)`` on this thread; while it waits, :attr:`while_waiting` is
+        called now and then (:class:`Watch`)."""
         serve = self.while_waiting
         if serve is None:
-            return conn.execute(query, params)
-        if self._helper is None:
-            self._helper = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="drain-command")
-        answer = self._helper.submit(conn.execute, query, params)
-        while not concurrent.futures.wait([answer], SERVE_EVERY).done:
-            serve()
-        return answer.result()
+            return work(conn)
+        watch = self._watch
+        if watch is None or watch.serve is not serve:
+            if watch is not None:
+                watch.stop()
+            watch = self._watch = Watch(serve)
+        with watch.command():
+            return work(conn)
 
     def _query(self, name: str) -> str:
         """The text of the query ``name`` for this session's schema."""
@@ -339,6 +355,72 @@ class Session:
         return DatabaseUnavailable(
             f"database {self._display} {what}: {scrub(failover.describe(exc), self._secrets)}"
         )
+
+
+class Watch:
+    """A thread that calls ``serve`` while the calling thread waits for a command.
+
+    pika is not thread-safe, so ``serve`` (the broker's I/O loop) must never
+    run while the loop's thread uses the broker connection itself. The rule
+    that guarantees it: the watch calls ``serve`` only while holding its
+    lock and seeing a command in progress (:meth:`command`), and the loop's
+    thread, once its command returns or raises, takes that lock before it
+    marks the command done and goes on. So ``serve`` runs only while the
+    loop's thread is inside ``conn.execute`` (which never touches the
+    broker), and a ``serve`` in progress when the answer comes returns before
+    the loop's thread leaves the command; the lock also orders what ``serve``
+    changed (confirms received, say) before what the loop's thread reads next.
+
+    Why not the command on a helper thread, the loop's thread serving
+    meanwhile (as it was): that is two thread wake-ups per command, on every
+    command, to serve the few that wait. ``SELECT 1`` on a quiet loopback took
+    0.025 ms (p50) on the calling thread and 0.05-0.09 ms through the helper;
+    on a busy machine each wake-up also waits for a core, and a batch sends
+    several commands. Here a command costs one uncontended lock and two
+    assignments; the watch wakes every SERVE_EVERY / 2 whatever happens (one
+    short look under the lock), and calls ``serve`` once a command has waited
+    SERVE_EVERY, then every SERVE_EVERY until it ends. It ends with
+    :meth:`stop` (Session.close; a later command starts a new one).
+    """
+
+    def __init__(self, serve: Callable[[], None]) -> None:
+        self.serve = serve
+        self._lock = threading.Lock()
+        #: When the command in progress was sent (time.monotonic()); None: none is.
+        self._since: float | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="drain-command-watch",
+                                        daemon=True)
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def command(self) -> Iterator[None]:
+        """Around one command on the loop's thread: ``serve`` may run meanwhile."""
+        self._since = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._lock:  # a serve() in progress returns first
+                self._since = None
+
+    def stop(self) -> None:
+        """End the thread (at most one ``serve`` in progress later)."""
+        self._stopped.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _watch(self) -> None:
+        served = 0.0
+        while not self._stopped.wait(SERVE_EVERY / 2):
+            with self._lock:
+                since = self._since
+                if since is None or time.monotonic() - max(since, served) < SERVE_EVERY:
+                    continue
+                try:
+                    self.serve()
+                except Exception:  # it must not raise; a thread that died would not serve
+                    log.debug("while_waiting raised", exc_info=True)
+                served = time.monotonic()
 
 
 #: What the drain's role needs, said when the database refuses it something.
