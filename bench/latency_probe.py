@@ -30,7 +30,8 @@ def drain_probe(argv: list[str]) -> int:
         "wait": [],     # (t_before, t_after, batch_size)
         "tx": [],       # (t_begin, t_committed, [deleted row ids])
         "idle": [],     # (t_before, t_after, notified, NOTIFYs waiting at the start)
-        "query": [],    # (t_before, t_after, query name): every statement but BEGIN/COMMIT
+        "query": [],    # (t_before, t_after, query name): every round trip but BEGIN/COMMIT
+                        # (several statements in one: their names joined by +)
     }
     now = time.time
     deleting: list[int] = []
@@ -38,6 +39,7 @@ def drain_probe(argv: list[str]) -> int:
     confirm_before, wait_before = Publisher._on_confirm, Publisher.wait
     batch_before, delete_before, idle_before = Store.batch, Store.delete, Store.wait
     execute_before, notified_before = Store._execute, Store._notified
+    execute_all_before = Store._execute_all
     # NOTIFYs each Store._notified call took (psycopg's Connection.notifies), since
     # the idle wait began.
     taken: list[int] = []
@@ -103,7 +105,14 @@ def drain_probe(argv: list[str]) -> int:
         rec["query"].append((t0, now(), name))
         return cursor
 
+    def execute_all(self: Any, commands: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = now()
+        cursors = execute_all_before(self, commands, *args, **kwargs)
+        rec["query"].append((t0, now(), "+".join(name for name, _ in commands)))
+        return cursors
+
     Store._execute = execute  # type: ignore[method-assign]
+    Store._execute_all = execute_all  # type: ignore[method-assign]
     Store.fetch = fetch  # type: ignore[method-assign]
     Publisher.start = start  # type: ignore[method-assign]
     Publisher._on_confirm = on_confirm  # type: ignore[method-assign]

@@ -271,8 +271,22 @@ UNION ALL
 -- transaction holds is waited for this long at most, then locked_rows says
 -- which rows to set aside, pending (drain/postgres/conflicts.py). Not FOR UPDATE
 -- SKIP LOCKED: that would need UPDATE privilege on staged_jobs, which
--- drain_runner does not have.
+-- drain_runner does not have. Sent in the same round trip as the first of
+-- those statements (Store._keyed), not on its own.
 SELECT set_config('lock_timeout', %(timeout)s, true);
+
+-- name: keyed_savepoint
+-- Around each statement that removes rows as the drain read them (Store._keyed):
+-- a conflict undoes that statement only, the batch goes on. Sent in one round
+-- trip with the statement and keyed_release (and keyed_lock_timeout before it,
+-- once per batch); on a failure, keyed_rollback.
+SAVEPOINT drain_keyed;
+
+-- name: keyed_release
+RELEASE SAVEPOINT drain_keyed;
+
+-- name: keyed_rollback
+ROLLBACK TO SAVEPOINT drain_keyed;
 
 -- name: bury
 -- Move rows to dead_jobs with their reason (expired, or never a valid

@@ -18,7 +18,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import psycopg
@@ -306,6 +306,24 @@ class Session:
     ) -> psycopg.Cursor[tuple[object, ...]]:
         query = self._query(name)
         return self._guarded(lambda conn: conn.execute(query, params))
+
+    def _execute_all(
+        self, commands: Sequence[tuple[str, dict[str, object] | None]]
+    ) -> list[psycopg.Cursor[tuple[object, ...]]]:
+        """The commands ``[(name, params)]`` in this order, in one round trip
+        (psycopg's pipeline mode: one Sync after the last), each one's cursor.
+
+        The first command that fails raises as :meth:`_execute` would, and the
+        server skips the rest (in a transaction, it is then aborted: roll back to
+        a savepoint the commands took, or the batch rolls back)."""
+        queries = [(self._query(name), params) for name, params in commands]
+
+        def run(conn: psycopg.Connection[tuple[object, ...]]
+                ) -> list[psycopg.Cursor[tuple[object, ...]]]:
+            with conn.pipeline():
+                return [conn.execute(query, params) for query, params in queries]
+
+        return self._guarded(run)
 
     def _guarded(self, work: Callable[[psycopg.Connection[tuple[object, ...]]], T]) -> T:
         """``work(conn)``, the session's commands (:meth:`_run`), with the drain's

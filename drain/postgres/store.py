@@ -279,17 +279,24 @@ class Store(Session):
         after a lock wait of more than KEYED_LOCK_TIMEOUT the rows locked now are
         set aside as pending first (drain.postgres.conflicts). Keys are tuples of
         the row's id and its xact, then anything."""
-        conn = self._require()
-        if keys and not self._keyed_lock_timeout_set:
-            # For the rest of the batch's transaction: one round trip per batch,
-            # not one per delete, bury and expiry.
-            self._execute("keyed_lock_timeout", {"timeout": KEYED_LOCK_TIMEOUT})
-            self._keyed_lock_timeout_set = True
-
         def attempt(group: Sequence[K]) -> list[int]:
-            with conn.transaction():  # a savepoint: a conflict undoes this statement only
-                rows = self._execute(name, params(group)).fetchall()
-            return [int(row[0]) for row in rows]  # type: ignore[call-overload]
+            # One round trip: the lock timeout (the batch's first keyed statement
+            # only: SET LOCAL lasts the transaction), a savepoint (a conflict
+            # undoes this statement only), the statement, the savepoint released.
+            commands: list[tuple[str, dict[str, object] | None]] = []
+            if not self._keyed_lock_timeout_set:
+                commands.append(("keyed_lock_timeout", {"timeout": KEYED_LOCK_TIMEOUT}))
+            commands += [("keyed_savepoint", None), (name, params(group)),
+                         ("keyed_release", None)]
+            try:
+                cursors = self._execute_all(commands)
+            except psycopg.Error:
+                # The session is fine (Session._guarded raised the driver's error):
+                # the transaction goes on from before the statement.
+                self._execute_all([("keyed_rollback", None), ("keyed_release", None)])
+                raise
+            self._keyed_lock_timeout_set = True
+            return [int(row[0]) for row in cursors[-2].fetchall()]  # type: ignore[call-overload]
 
         def locked_now(group: Sequence[K]) -> set[int]:
             ids = [int(k[0]) for k in group]
