@@ -315,13 +315,21 @@ class Session:
 
         The first command that fails raises as :meth:`_execute` would, and the
         server skips the rest (in a transaction, it is then aborted: roll back to
-        a savepoint the commands took, or the batch rolls back)."""
+        a savepoint the commands took, or the batch rolls back).
+
+        Never prepared: psycopg (3.3.9) counts a statement the server skipped
+        after an error in the pipeline as prepared when that run was the one
+        to prepare it, and every later run of it then fails with 'prepared
+        statement "_pg3_N" does not exist' (seen: the hot-row test lost the
+        session). Unprepared, the server parses each one every time; the
+        drain's plans are custom anyway (``plan_cache_mode``)."""
         queries = [(self._query(name), params) for name, params in commands]
 
         def run(conn: psycopg.Connection[tuple[object, ...]]
                 ) -> list[psycopg.Cursor[tuple[object, ...]]]:
             with conn.pipeline():
-                return [conn.execute(query, params) for query, params in queries]
+                return [conn.execute(query, params, prepare=False)
+                        for query, params in queries]
 
         return self._guarded(run)
 

@@ -115,3 +115,27 @@ def test_a_batch_forgets_the_notifications_of_rows_it_can_already_see(db_url: st
         assert store.wait(0.0) is False
     finally:
         store.close()
+
+
+def test_commands_skipped_after_an_error_in_one_round_trip_still_run_later(db_url: str) -> None:
+    """Session._execute_all (psycopg's pipeline mode), as Store._keyed uses it: a
+    command the server skipped because an earlier one failed must not be taken
+    for prepared by psycopg (with auto-preparation, the release skipped on the
+    run that was to prepare it said 'prepared statement "_pg3_N" does not exist'
+    on its next run, and the session was lost)."""
+    store = Store(Settings(database_url=roles.url(db_url, roles.RUNNER)))
+    store.connect()
+    try:
+        with store.batch():
+            for attempt in range(12):
+                timeout = "never" if attempt % 6 == 5 else "5ms"  # fails on the 6th and 12th
+                try:
+                    cursors = store._execute_all([
+                        ("keyed_savepoint", None), ("keyed_lock_timeout", {"timeout": timeout}),
+                        ("keyed_release", None)])
+                except psycopg.errors.InvalidParameterValue:
+                    store._execute_all([("keyed_rollback", None), ("keyed_release", None)])
+                else:
+                    assert cursors[1].fetchall() == [("5ms",)]
+    finally:
+        store.close()
