@@ -18,7 +18,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import psycopg
@@ -34,6 +34,7 @@ from drain.errors import (
     SchemaMissing,
 )
 from drain.postgres import abandoned, failover, sql, timestamps
+from drain.postgres.command_watch import Watch
 from drain.postgres.session_probe import check as check_session
 from drain.settings.config import Settings
 from drain.settings.url_parts import first_line
@@ -82,18 +83,15 @@ SESSION_SETTINGS = {
 }
 
 
-#: Seconds between two calls of :attr:`Session.while_waiting` while a command waits.
-SERVE_EVERY = 0.2
-
-
 class Session:
     """One Postgres connection of a drain process, with its settings and identity.
 
     A command may wait, for a lock say, up to the session's lock and statement
     timeouts. The loop's other connection must not starve meanwhile: the
     broker drops a connection whose heartbeats stop (two missed, 2 s with a
-    1 s heartbeat). So with :attr:`while_waiting` set, a :class:`Watch` thread
-    calls it every SERVE_EVERY while a command has been waiting that long.
+    1 s heartbeat). So with :attr:`while_waiting` set, a watch thread
+    (drain.postgres.command_watch) calls it every SERVE_EVERY while a command has
+    been waiting that long.
     Each command still runs on the calling thread, as without it: most
     answer within a millisecond, and a handoff to another thread and back
     cost more than that on every command (see :class:`Watch`).
@@ -381,72 +379,6 @@ class Session:
         return DatabaseUnavailable(
             f"database {self._display} {what}: {scrub(failover.describe(exc), self._secrets)}"
         )
-
-
-class Watch:
-    """A thread that calls ``serve`` while the calling thread waits for a command.
-
-    pika is not thread-safe, so ``serve`` (the broker's I/O loop) must never
-    run while the loop's thread uses the broker connection itself. The rule
-    that guarantees it: the watch calls ``serve`` only while holding its
-    lock and seeing a command in progress (:meth:`command`), and the loop's
-    thread, once its command returns or raises, takes that lock before it
-    marks the command done and goes on. So ``serve`` runs only while the
-    loop's thread is inside ``conn.execute`` (which never touches the
-    broker), and a ``serve`` in progress when the answer comes returns before
-    the loop's thread leaves the command; the lock also orders what ``serve``
-    changed (confirms received, say) before what the loop's thread reads next.
-
-    Why not the command on a helper thread, the loop's thread serving
-    meanwhile (as it was): that is two thread wake-ups per command, on every
-    command, to serve the few that wait. ``SELECT 1`` on a quiet loopback took
-    0.025 ms (p50) on the calling thread and 0.05-0.09 ms through the helper;
-    on a busy machine each wake-up also waits for a core, and a batch sends
-    several commands. Here a command costs one uncontended lock and two
-    assignments; the watch wakes every SERVE_EVERY / 2 whatever happens (one
-    short look under the lock), and calls ``serve`` once a command has waited
-    SERVE_EVERY, then every SERVE_EVERY until it ends. It ends with
-    :meth:`stop` (Session.close; a later command starts a new one).
-    """
-
-    def __init__(self, serve: Callable[[], None]) -> None:
-        self.serve = serve
-        self._lock = threading.Lock()
-        #: When the command in progress was sent (time.monotonic()); None: none is.
-        self._since: float | None = None
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="drain-command-watch",
-                                        daemon=True)
-        self._thread.start()
-
-    @contextlib.contextmanager
-    def command(self) -> Iterator[None]:
-        """Around one command on the loop's thread: ``serve`` may run meanwhile."""
-        self._since = time.monotonic()
-        try:
-            yield
-        finally:
-            with self._lock:  # a serve() in progress returns first
-                self._since = None
-
-    def stop(self) -> None:
-        """End the thread (at most one ``serve`` in progress later)."""
-        self._stopped.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
-
-    def _watch(self) -> None:
-        served = 0.0
-        while not self._stopped.wait(SERVE_EVERY / 2):
-            with self._lock:
-                since = self._since
-                if since is None or time.monotonic() - max(since, served) < SERVE_EVERY:
-                    continue
-                try:
-                    self.serve()
-                except Exception:  # it must not raise; a thread that died would not serve
-                    log.debug("while_waiting raised", exc_info=True)
-                served = time.monotonic()
 
 
 #: What the drain's role needs, said when the database refuses it something.

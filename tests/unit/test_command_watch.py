@@ -1,4 +1,4 @@
-"""drain.postgres.session.Watch: the broker is served while a command waits, and
+"""drain.postgres.command_watch.Watch: the broker is served while a command waits, and
 never while the loop's thread could be using it."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from drain.postgres.session import SERVE_EVERY, Watch
+from drain.postgres.command_watch import SERVE_EVERY, Watch
 
 
 def test_a_command_that_waits_is_served_and_a_quick_one_is_not() -> None:
