@@ -11,7 +11,7 @@ p99 <= 50 ms. 200 jobs/s comes from one stager; at 50 jobs/s the drain is
 mostly idle, armed between jobs, and its wake-up (drain.postgres.wakeup) decides the
 latency.
 
-Set-up: a fresh database migrated with ``drain.postgres.store.migrate``, a fresh durable
+Set-up: a fresh database migrated with ``drain.postgres.migration.migrate``, a fresh durable
 queue, and the drain as a separate process (``drain run``, the thing measured),
 started once and kept for all the rates, as in production. Stager processes
 (``--stagers``; by default one per 500 jobs/s) commit one ``drain.stage()`` per

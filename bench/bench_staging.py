@@ -8,7 +8,7 @@ concurrent writers, with a drain running and publishing, reach >= 0.95 x the
 throughput of the same workload on the same table with no trigger at all, and
 throughput rises (or holds) from 8 to 64 writers.
 
-Set-up: a fresh database migrated with ``drain.postgres.store.migrate``, a fresh queue,
+Set-up: a fresh database migrated with ``drain.postgres.migration.migrate``, a fresh queue,
 and ``drain run`` as a separate process, publishing throughout. The writers
 are ``pgbench`` (a C client, so the clients do not take the CPU the server
 needs), ``-M prepared``, each transaction one ``INSERT INTO staged_jobs``

@@ -35,7 +35,7 @@ import psycopg
 
 import drain
 from drain.daemon.runner import Drain
-from drain.postgres import store
+from drain.postgres import migration
 from drain.settings.urls import broker_parameters
 
 ADMIN_URL = os.environ.get("DRAIN_BENCH_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -51,7 +51,7 @@ def fresh_database(name: str) -> str:
         admin.execute(f'CREATE DATABASE "{name}"')
     url = ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
     with psycopg.connect(url) as conn:
-        store.migrate(conn)
+        migration.migrate(conn)
     return url
 
 
@@ -60,7 +60,7 @@ def drop_database(name: str) -> None:
     with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
         admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin.execute("DROP ROLE IF EXISTS " + ", ".join(
-            f'"{role}"' for role in store.role_names(f"{name}_drain_")))
+            f'"{role}"' for role in migration.role_names(f"{name}_drain_")))
 
 
 @contextlib.contextmanager

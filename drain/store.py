@@ -3,6 +3,6 @@ an application's own migrations and tests (docs/testing.md). It lives in
 :mod:`drain.postgres.store`; this name is kept for code that imports it here.
 """
 
-from drain.postgres.store import migrate
+from drain.postgres.migration import migrate
 
 __all__ = ["migrate"]

@@ -22,7 +22,7 @@ import psycopg
 import pytest
 
 import drain
-from drain.postgres import session, store
+from drain.postgres import migration, session
 from tests import broker_alarm as alarm
 from tests import broker_lock, roles, support
 
@@ -116,7 +116,7 @@ def template_db() -> Iterator[str]:
     name = f"drain_tpl_{os.getpid()}"
     with support.database(name) as url:
         with psycopg.connect(url) as conn:
-            store.migrate(conn)
+            migration.migrate(conn)
         roles.ensure(url)  # the login roles that hold its group roles
         yield name
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psycopg
 
-from drain.postgres import store
+from drain.postgres import migration
 from tests import roles, support
 from tests.pg_server import Server, initdb, make_root, run
 
@@ -87,7 +87,7 @@ class Pair:
         with psycopg.connect(self.primary.url("postgres"), autocommit=True) as admin:
             admin.execute(f"CREATE DATABASE {DBNAME}")
         with psycopg.connect(self.primary.url(DBNAME)) as conn:
-            store.migrate(conn)
+            migration.migrate(conn)
             conn.execute(APP_DDL)
         roles.ensure(self.primary.url(DBNAME))  # the drains run as its runner role
         run("pg_basebackup", "-h", "127.0.0.1", "-p", str(self.primary.port), "-U", "postgres",

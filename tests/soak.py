@@ -36,8 +36,8 @@ from pathlib import Path
 import psycopg
 
 import drain
+from drain.postgres import migration
 from drain.postgres import status as drain_status
-from drain.postgres import store
 from drain.settings.config import Settings
 from tests import broker_alarm, support
 
@@ -71,7 +71,7 @@ class Soak:
         with psycopg.connect(support.ADMIN_URL, autocommit=True) as admin:
             admin.execute(f'CREATE DATABASE "{self.name}"')
         with psycopg.connect(self.url) as conn:
-            store.migrate(conn)
+            migration.migrate(conn)
         self.pg_proxy.start()
         self.amqp_proxy.start()
         worker = self.spawn(support.celery_argv(self.queue), "worker", support.drain_env(self.url))

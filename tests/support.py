@@ -33,7 +33,7 @@ import psycopg
 import pytest
 
 import drain
-from drain.postgres import sql, store
+from drain.postgres import migration, sql
 from drain.postgres.wakeup import WAKE_CLASS
 from drain.settings.urls import broker_parameters
 from tests import machine, roles
@@ -99,7 +99,7 @@ def drop_roles_of(admin: psycopg.Connection[Any], name: str) -> None:
     elsewhere (a template's, while its copies live) stay."""
     with contextlib.suppress(psycopg.errors.DependentObjectsStillExist):
         admin.execute("DROP ROLE IF EXISTS " + ", ".join(
-            f'"{role}"' for role in store.role_names(f"{name}_drain_")))
+            f'"{role}"' for role in migration.role_names(f"{name}_drain_")))
 
 
 def wait_for(

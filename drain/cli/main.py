@@ -43,7 +43,7 @@ from drain.cli.common import (
     switch,
 )
 from drain.errors import DrainError, StagingError, UsageError
-from drain.postgres import session, sql, store
+from drain.postgres import migration, session, sql
 from drain.settings import config, options, urls
 
 log = logging.getLogger("drain")
@@ -328,12 +328,12 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         sys.stdout.write(sql.schema_text())
         return Exit.OK
     if args.role_prefix is not None:
-        store.check_role_prefix(args.role_prefix)  # before connecting
+        migration.check_role_prefix(args.role_prefix)  # before connecting
     settings = settings_of(args)
     with session.connect_plain(settings) as conn:
-        prefix = store.migrate(conn, role_prefix=args.role_prefix)
+        prefix = migration.migrate(conn, role_prefix=args.role_prefix)
         log.info("schema applied to %s; its roles: %s", session.connected_to(conn),
-                 ", ".join(store.role_names(prefix)))
+                 ", ".join(migration.role_names(prefix)))
     return Exit.OK
 
 

@@ -116,7 +116,7 @@ def read(conn: Any) -> list[StagedJob]:
         if _sqlstate(exc) == _UNDEFINED_TABLE:
             raise FixtureError(
                 "the test database has no staged_jobs table: apply drain's schema to it "
-                "(`drain migrate --database-url ...`, or drain.postgres.store.migrate(conn) in a "
+                "(`drain migrate --database-url ...`, or drain.store.migrate(conn) in a "
                 "session fixture, or a migration of your own running it)") from exc
         raise
     return [StagedJob.of_row(row) for row in rows]

@@ -29,7 +29,7 @@ import psycopg
 import pytest
 
 from drain.errors import RolesShared
-from drain.postgres import store
+from drain.postgres import migration
 from tests import pg_server, roles, services, support
 
 #: Rounds of concurrent in-process migrates (the CLI's round is one more).
@@ -65,7 +65,7 @@ def _databases(server: pg_server.Server, count: int, owner: str = "postgres") ->
 
 def _at_once(server: pg_server.Server, names: list[str],
              prefix: str | None = None) -> list[str]:
-    """store.migrate() of each database, all started at one barrier: each one's
+    """migration.migrate() of each database, all started at one barrier: each one's
     outcome, "ok", "shared" (RolesShared) or the exception's repr."""
     barrier = threading.Barrier(len(names))
 
@@ -73,7 +73,7 @@ def _at_once(server: pg_server.Server, names: list[str],
         with psycopg.connect(server.url(name)) as conn:
             barrier.wait(30)
             try:
-                store.migrate(conn, role_prefix=prefix)
+                migration.migrate(conn, role_prefix=prefix)
             except RolesShared:
                 return "shared"
             except Exception as exc:  # reported as the outcome

@@ -32,9 +32,10 @@ import pytest
 
 import drain
 from drain.errors import SchemaMissing
-from drain.postgres import dead, sql, store
+from drain.postgres import dead, migration, sql, store
+from drain.postgres.migration import migrate
 from drain.postgres.rows import StagedRow
-from drain.postgres.store import fetch_params, migrate
+from drain.postgres.store import fetch_params
 from drain.settings.config import Settings
 from tests import roles, support
 
@@ -119,7 +120,7 @@ def catalog(url: str) -> dict[str, list[tuple[Any, ...]]]:
 
 def apply_migrate(url: str) -> None:
     with psycopg.connect(url) as conn:
-        store.migrate(conn)
+        migration.migrate(conn)
 
 
 def test_catalog_snapshot_is_the_schema(db_url: str) -> None:

@@ -23,7 +23,8 @@ import pytest
 
 import drain
 from drain.postgres import sql
-from drain.postgres.store import Store, migrate
+from drain.postgres.migration import migrate
+from drain.postgres.store import Store
 from drain.postgres.wakeup import ARM_AFTER, WAKE_CLASS
 from drain.settings.config import Settings
 from drain.settings.urls import broker_parameters

@@ -26,7 +26,7 @@ import pytest
 
 from drain.cli import spark as cli
 from drain.errors import PartitioningChanged, SchemaMissing
-from drain.postgres import store
+from drain.postgres import migration
 from drain.spark import backfill, ledger, mapping, writer
 from tests.spark import helpers
 
@@ -197,7 +197,7 @@ def test_a_schema_without_task_attempt_id_is_refused_until_drain_migrate(db_url:
         ledger.prepare(db_url, "upgraded", ledger.Partitioning(1, "id", "bigint"))
     for _ in range(2):
         with psycopg.connect(db_url) as conn:
-            store.migrate(conn)
+            migration.migrate(conn)
     ledger.prepare(db_url, "upgraded", ledger.Partitioning(1, "id", "bigint"))
     assert helpers.attempts(db_url, "old", 0)[0]["task_attempt_id"] is None
 

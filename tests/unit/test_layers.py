@@ -37,7 +37,7 @@ ALLOWED: dict[str, set[str]] = {
     "broker": {"foundation", "settings", "broker"},
     "celery": {"foundation", "settings", "postgres", "broker", "celery"},
     "daemon": {"foundation", "settings", "postgres", "broker", "celery", "daemon"},
-    # drain.store re-exports drain.postgres.store.migrate for applications.
+    # drain.store re-exports drain.postgres.migration.migrate for applications.
     "app": {"foundation", "app", "postgres"},
     "spark": {"foundation", "settings", "postgres", "app", "spark"},
     "testing": {"foundation", "settings", "postgres", "celery", "daemon", "app", "testing"},

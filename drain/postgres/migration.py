@@ -1,0 +1,97 @@
+"""``drain migrate``: the staging schema applied to a live database, and its roles.
+
+The schema itself is staging_schema.sql (drain.postgres.sql reads it); this module
+applies it in one transaction that waits briefly for each table lock, and names
+the group roles it makes.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import psycopg
+import psycopg.errors
+from psycopg import sql as psql
+
+from drain.errors import ConfigError, DrainError, RolesShared
+from drain.postgres import sql
+from drain.settings.url_parts import first_line
+
+log = logging.getLogger("drain.store")
+
+
+#: `drain migrate` waits this long for each lock on a table in use, then tries again.
+MIGRATE_LOCK_TIMEOUT = 1.0
+MIGRATE_ATTEMPTS = 60
+
+
+#: The kinds of group role ``drain migrate`` makes, each ``<role prefix><kind>``.
+ROLE_KINDS = ("stager", "runner", "operator", "consumer")
+#: What ``--role-prefix`` accepts: a lowercase SQL name that leaves room for the kind.
+ROLE_PREFIX = re.compile(r"[a-z_][a-z0-9_]{0,54}")
+#: The SQLSTATE staging_schema.sql raises when a prefix's roles serve another database.
+ROLES_SHARED = "DR001"
+
+
+def check_role_prefix(prefix: str) -> str:
+    """``prefix`` if ``--role-prefix`` may be it, else ConfigError in one line."""
+    if not ROLE_PREFIX.fullmatch(prefix):
+        raise ConfigError(
+            f"--role-prefix {prefix!r}: give 1 to 55 lowercase letters, digits and _, "
+            "not starting with a digit (e.g. billing_drain_)")
+    return prefix
+
+
+def migrate(conn: psycopg.Connection[tuple[object, ...]], *,
+            role_prefix: str | None = None,
+            lock_timeout: float = MIGRATE_LOCK_TIMEOUT,
+            attempts: int = MIGRATE_ATTEMPTS) -> str:
+    """Apply the staging schema in one transaction (idempotent), on a live database;
+    return the prefix of the database's group roles (staging_schema.sql says how
+    it is chosen; ``role_prefix`` chooses it).
+
+    The schema's changes to a table in use (staging_schema.sql) lock it
+    briefly, and every writer queues behind a lock that is waiting. So each
+    attempt waits at most ``lock_timeout`` seconds for a lock, then rolls back
+    and tries again a moment later: the application's writers are held up for
+    at most that long, even behind a long transaction. Raises DrainError after
+    ``attempts`` tries, RolesShared when the prefix's roles hold privileges in
+    another database of the cluster.
+    """
+    if role_prefix is not None:
+        check_role_prefix(role_prefix)
+    for attempt in range(1, attempts + 1):
+        try:
+            with conn.transaction():
+                # Two migrations at once would race on CREATE ... IF NOT EXISTS.
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext('drain migrate'))")
+                conn.execute(psql.SQL("SET LOCAL lock_timeout = {}").format(
+                    psql.Literal(f"{max(1, int(lock_timeout * 1000))}ms")))
+                conn.execute("SELECT set_config('drain.role_prefix', %s, true)",
+                             (role_prefix or "",))
+                conn.execute(psql.SQL(sql.schema_text()))
+                row = conn.execute(
+                    "SELECT value FROM drain_settings WHERE key = 'role_prefix'").fetchone()
+        except psycopg.errors.LockNotAvailable:
+            log.info("drain migrate: a table is in use, trying again (%d/%d)", attempt, attempts)
+            time.sleep(min(0.05 * attempt, 0.5))
+        except psycopg.Error as exc:
+            if exc.sqlstate == ROLES_SHARED:
+                hint = exc.diag.message_hint or ""
+                raise RolesShared(f"{first_line(exc)}; {hint}" if hint else first_line(exc)
+                                  ) from None
+            raise
+        else:
+            return str(row[0]) if row else ""
+    raise DrainError(
+        f"drain migrate: a table stayed locked by other sessions through {attempts} tries of "
+        f"{lock_timeout:g}s each (a long transaction on staged_jobs? see pg_stat_activity); "
+        "nothing was changed, run it again"
+    )
+
+
+def role_names(prefix: str) -> list[str]:
+    """The group roles of a database whose role prefix is ``prefix``."""
+    return [f"{prefix}{kind}" for kind in ROLE_KINDS]
