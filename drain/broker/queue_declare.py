@@ -188,12 +188,19 @@ class QueueDeclaringLink(AmqpLink):
         work = self._work
         while work is not None and work.more() and self._idle:
             self._next_declare(self._idle.pop())
-        while work is not None and work.more() and len(self._lanes) < DECLARE_CHANNELS:
+        while work is not None and work.more() and len(self._lanes) < self._lane_limit():
             lane = _Lane()
             self._lanes.append(lane)
             self._open_lane(lane)
             if lane not in self._lanes:
                 break  # the connection is going
+
+    def _lane_limit(self) -> int:
+        """DECLARE_CHANNELS, within the connection's channel_max (as the broker and
+        the URL negotiated it): two channels stay for publishing, the channel and
+        its replacement while a refused one closes (drain.broker.refusal)."""
+        most = self._conn.params.channel_max if self._conn is not None else 0
+        return max(1, min(DECLARE_CHANNELS, most - 2)) if most else DECLARE_CHANNELS
 
     def _open_lane(self, lane: _Lane) -> None:
         """Open a channel for ``lane``, which then declares the next queue."""

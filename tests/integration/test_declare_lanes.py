@@ -6,12 +6,16 @@ returns by it, and what it left under way is answered to the next call."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 
+import pika
 import pytest
 
 from drain.broker import queue_declare
 from drain.broker.publisher import Publisher
+from drain.celery import message
+from drain.postgres.rows import StagedRow
 from drain.settings.urls import broker_parameters
 from tests import support
 
@@ -63,27 +67,35 @@ def test_many_queues_with_refusals_among_them_are_each_answered(names: list[str]
         pub.close()
 
 
-def test_the_declares_run_side_by_side(names: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each queue's declare on a channel of its own, up to DECLARE_CHANNELS at once:
-    the most under way at one time is counted as they are sent."""
+@pytest.fixture
+def most_at_once(monkeypatch: pytest.MonkeyPatch) -> Callable[[Publisher], list[int]]:
+    """Counts, as each queue declare is sent, how many are under way at once: the
+    list's one number is the most seen so far."""
+    def watch(pub: Publisher) -> list[int]:
+        most = [0]
+        real = queue_declare._queue_step
+
+        def counting(spec: queue_declare.QueueSpec, *, passive: bool) -> queue_declare.Step:
+            step = real(spec, passive=passive)
+
+            def counted(channel: object, done: queue_declare.Done) -> None:
+                most[0] = max(most[0], len(pub.in_flight))
+                step(channel, done)
+            return counted
+
+        monkeypatch.setattr(queue_declare, "_queue_step", counting)
+        return most
+    return watch
+
+
+def test_the_declares_run_side_by_side(
+        names: list[str], most_at_once: Callable[[Publisher], list[int]]) -> None:
+    """Each queue's declare on a channel of its own, up to DECLARE_CHANNELS at once."""
     pub = _publisher()
-    most = 0
-    real = queue_declare._queue_step
-
-    def counting(spec: queue_declare.QueueSpec, *, passive: bool) -> queue_declare.Step:
-        step = real(spec, passive=passive)
-
-        def counted(channel: object, done: queue_declare.Done) -> None:
-            nonlocal most
-            most = max(most, len(pub.in_flight))
-            step(channel, done)
-        return counted
-
-    monkeypatch.setattr(queue_declare, "_queue_step", counting)
+    most = most_at_once(pub)
     try:
         pub.declare(set(names))
-        assert most > 1
-        assert most <= queue_declare.DECLARE_CHANNELS
+        assert 1 < most[0] <= queue_declare.DECLARE_CHANNELS
     finally:
         pub.close()
 
@@ -103,5 +115,24 @@ def test_a_budget_spent_leaves_the_rest_for_the_next_call(names: list[str]) -> N
         assert sorted({**first, **second}) == sorted(names[i] for i in REFUSED)
         assert not set(first) & set(second)
         assert pub.undeclared(set(names)) == {names[i] for i in REFUSED}
+    finally:
+        pub.close()
+
+
+def test_the_lanes_keep_within_the_channel_max(
+        names: list[str], most_at_once: Callable[[Publisher], list[int]]) -> None:
+    """A connection allowed 4 channels: the declares take 2 (the publishing channel
+    and its replacement keep theirs), and a batch still publishes after them."""
+    pub = Publisher(pika.URLParameters(f"{support.BROKER_URL}?channel_max=4"),
+                    display_url="broker", confirm_timeout=10)
+    pub.connect()
+    most = most_at_once(pub)
+    try:
+        refused = pub.declare(set(names))
+        assert sorted(refused) == sorted(names[i] for i in REFUSED)
+        assert most[0] == 2
+        row = StagedRow(1, uuid.uuid4(), "t.lanes", "[1]", "{}", names[0])
+        result = pub.publish([message.Builder(origin="gen1@test", reply_to="r").build(row)])
+        assert result.confirmed == [1]
     finally:
         pub.close()
