@@ -22,15 +22,15 @@ import psycopg
 import drain
 from drain.daemon.runner import State
 from drain.settings.config import Settings
-from drain.settings.urls import broker_parameters
 from tests import roles, support
+from tests.deliveries import ConsumerThread
 from tests.integration.conftest import Running
 from tests.interleaving_plan import EXPLICIT_IDS, PRIORITIES, TASK, Plan, Row, Txn
 
 # -- the consumer --------------------------------------------------------------------
 
 
-class Consumer:
+class Consumer(ConsumerThread):
     """Consumes every queue (auto-ack) on its own thread and records each delivery.
 
     A queue deleted on the broker cancels its consumer; it is subscribed again
@@ -38,7 +38,7 @@ class Consumer:
     """
 
     def __init__(self, queues: list[str]) -> None:
-        self.queues = queues
+        super().__init__(queues, "il-consumer")
         #: marker -> when it was first received (time.monotonic())
         self.first: dict[str, float] = {}
         #: marker -> (headers["id"], correlation_id) of every copy received
@@ -49,18 +49,8 @@ class Consumer:
         self.per_queue: collections.Counter[str] = collections.Counter()
         self.malformed: list[str] = []
         self.live: set[str] = set()
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="il-consumer", daemon=True)
-
-    def start(self) -> Consumer:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.ident is not None:  # started
-            self._thread.join(15)
+        #: queue -> the channel consuming it
+        self._channels: dict[str, Any] = {}
 
     def _on_message(self, _ch: Any, method: Any, props: Any, body: bytes) -> None:
         now = time.monotonic()
@@ -79,20 +69,9 @@ class Consumer:
         headers = props.headers or {}
         self.copies[marker].append((str(headers.get("id")), str(props.correlation_id)))
 
-    def _run(self) -> None:
-        try:
-            conn = pika.BlockingConnection(broker_parameters(support.BROKER_URL))
-            try:
-                channels: dict[str, Any] = {}
-                while not self._stop.is_set():
-                    for queue in self.queues:
-                        self._subscribe(conn, channels, queue)
-                    conn.process_data_events(time_limit=0.02)
-            finally:
-                with contextlib.suppress(Exception):
-                    conn.close()
-        except Exception as exc:
-            self.error = exc
+    def _turn(self, conn: Any) -> None:
+        for queue in self.queues:
+            self._subscribe(conn, self._channels, queue)
 
     def _subscribe(self, conn: Any, channels: dict[str, Any], queue: str) -> None:
         ch = channels.get(queue)
