@@ -33,6 +33,8 @@ import psycopg
 import pytest
 
 import drain
+from drain.broker.publisher import Publisher
+from drain.broker.queue_declare import QueueSpec
 from drain.postgres import migration, sql
 from drain.postgres.wakeup import WAKE_CLASS
 from drain.settings.urls import broker_parameters
@@ -134,6 +136,18 @@ def delete_queue(queue: str) -> None:
     with broker_channel() as ch:
         ch.queue_delete(queue)
         ch.exchange_delete(queue)  # deleting a missing exchange is not an error
+
+
+def publisher(broker: str | pika.ConnectionParameters = BROKER_URL, *,
+              confirm_timeout: float = 10,
+              specs: Callable[[str], QueueSpec] | None = None) -> Publisher:
+    """The drain's publisher (drain.broker.publisher), connected: to a broker URL, or
+    with pika's parameters as given (what a drain URL does not take: channel_max)."""
+    params = broker_parameters(broker) if isinstance(broker, str) else broker
+    pub = Publisher(params, display_url="broker", confirm_timeout=confirm_timeout,
+                    specs=specs)
+    pub.connect()
+    return pub
 
 
 def queue_depth(queue: str) -> int:

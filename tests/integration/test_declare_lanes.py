@@ -16,7 +16,6 @@ from drain.broker import queue_declare
 from drain.broker.publisher import Publisher
 from drain.celery import message
 from drain.postgres.rows import StagedRow
-from drain.settings.urls import broker_parameters
 from tests import support
 
 COUNT = 60
@@ -36,13 +35,6 @@ def names() -> Iterator[list[str]]:
             ch.queue_delete(name)
 
 
-def _publisher() -> Publisher:
-    pub = Publisher(broker_parameters(support.BROKER_URL), display_url="broker",
-                    confirm_timeout=10)
-    pub.connect()
-    return pub
-
-
 def _exists(name: str) -> bool:
     with support.broker_channel() as ch:
         ch.queue_declare(name, passive=True)
@@ -50,7 +42,7 @@ def _exists(name: str) -> bool:
 
 
 def test_many_queues_with_refusals_among_them_are_each_answered(names: list[str]) -> None:
-    pub = _publisher()
+    pub = support.publisher()
     try:
         refused = pub.declare(set(names))
         assert sorted(refused) == sorted(names[i] for i in REFUSED)
@@ -91,7 +83,7 @@ def most_at_once(monkeypatch: pytest.MonkeyPatch) -> Callable[[Publisher], list[
 def test_the_declares_run_side_by_side(
         names: list[str], most_at_once: Callable[[Publisher], list[int]]) -> None:
     """Each queue's declare on a channel of its own, up to DECLARE_CHANNELS at once."""
-    pub = _publisher()
+    pub = support.publisher()
     most = most_at_once(pub)
     try:
         pub.declare(set(names))
@@ -101,7 +93,7 @@ def test_the_declares_run_side_by_side(
 
 
 def test_a_budget_spent_leaves_the_rest_for_the_next_call(names: list[str]) -> None:
-    pub = _publisher()
+    pub = support.publisher()
     try:
         # A budget already spent: the declares that start at once (one per channel)
         # are under way when it returns, the others not started.
@@ -123,9 +115,7 @@ def test_the_lanes_keep_within_the_channel_max(
         names: list[str], most_at_once: Callable[[Publisher], list[int]]) -> None:
     """A connection allowed 4 channels: the declares take 2 (the publishing channel
     and its replacement keep theirs), and a batch still publishes after them."""
-    pub = Publisher(pika.URLParameters(f"{support.BROKER_URL}?channel_max=4"),
-                    display_url="broker", confirm_timeout=10)
-    pub.connect()
+    pub = support.publisher(pika.URLParameters(f"{support.BROKER_URL}?channel_max=4"))
     most = most_at_once(pub)
     try:
         refused = pub.declare(set(names))

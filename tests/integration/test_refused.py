@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pika
 import pika.exceptions
@@ -62,18 +62,10 @@ def _refused(result: PublishResult) -> list[tuple[int, int, str]]:
     return [(m.row_id, r.code, r.action) for m, r in result.refused]
 
 
-def _publisher(url: str = support.BROKER_URL,
-               specs: Callable[[str], QueueSpec] | None = None) -> Publisher:
-    pub = Publisher(broker_parameters(url), display_url="broker", confirm_timeout=10,
-                    specs=specs)
-    pub.connect()
-    return pub
-
-
 def test_a_missing_exchange_costs_its_message_across_batches_in_flight(
     queue: str, exchange: str
 ) -> None:
-    pub = _publisher()
+    pub = support.publisher()
     try:
         assert pub.declare({queue}) == {}
         first = pub.start(iter([_message(1, queue), _message(2, queue, exchange),
@@ -98,7 +90,7 @@ def test_a_missing_exchange_costs_its_message_across_batches_in_flight(
 
 def test_a_message_over_the_brokers_max_size_costs_only_itself(queue: str) -> None:
     big = 129 * 1024 * 1024  # RabbitMQ 3.x refuses more than 128 MiB (406)
-    pub = _publisher()
+    pub = support.publisher()
     try:
         assert pub.declare({queue}) == {}
         result = _publish(pub, queue, _message(1, queue), _message(2, queue, size=big),
@@ -149,7 +141,7 @@ def test_a_permission_refusal_holds_the_rows_of_that_exchange(
 ) -> None:
     with support.broker_channel() as ch:
         ch.exchange_declare(exchange, durable=True)
-    pub = _publisher(writer_without)
+    pub = support.publisher(writer_without)
     try:
         assert pub.declare({queue}) == {}
         result = _publish(pub, queue, _message(1, queue), _message(2, queue, exchange),
@@ -173,7 +165,7 @@ def test_an_exchange_deleted_behind_the_drains_back_is_declared_again_every_time
         with support.broker_channel() as ch:
             ch.exchange_delete(exchange)
 
-    pub = _publisher(specs=spec)
+    pub = support.publisher(specs=spec)
     try:
         assert pub.declare({queue}) == {}
         delete_exchange()
@@ -277,7 +269,7 @@ def test_a_refusal_noticed_between_batches_is_sorted_out_before_the_next_one(
     def spec(name: str) -> QueueSpec:
         return QueueSpec(name, bindings=(BindingSpec(ExchangeSpec(exchange), name),))
 
-    pub = _publisher(specs=spec)
+    pub = support.publisher(specs=spec)
     try:
         assert pub.declare({queue}) == {}
         with support.broker_channel() as ch:

@@ -12,10 +12,8 @@ from collections.abc import Iterator
 import pytest
 
 from drain.broker.outgoing import Message
-from drain.broker.publisher import Publisher
 from drain.celery import message
 from drain.postgres.rows import StagedRow
-from drain.settings.urls import broker_parameters
 from tests import support
 
 BUILDER = message.Builder(origin="gen1@test", reply_to=str(uuid.uuid4()))
@@ -35,13 +33,6 @@ def proxy() -> Iterator[support.TcpProxy]:
     proxy.stop()
 
 
-def _publisher(proxy: support.TcpProxy) -> Publisher:
-    pub = Publisher(broker_parameters(support.broker_url(proxy.port)), display_url="broker",
-                    confirm_timeout=CONFIRM_TIMEOUT)
-    pub.connect()
-    return pub
-
-
 def _batch(queue: str) -> list[Message]:
     return [BUILDER.build(StagedRow(i, uuid.uuid4(), "t.slow", f'["{"x" * SIZE}"]', "{}", queue))
             for i in range(1, COUNT + 1)]
@@ -49,7 +40,8 @@ def _batch(queue: str) -> list[Message]:
 
 def test_a_batch_whose_confirms_keep_coming_is_kept(
         queue: str, proxy: support.TcpProxy) -> None:
-    pub = _publisher(proxy)
+    pub = support.publisher(support.broker_url(proxy.port),
+                            confirm_timeout=CONFIRM_TIMEOUT)
     progressed = []
     pub.on_progress = lambda: progressed.append(time.monotonic())
     try:
@@ -71,7 +63,8 @@ def test_a_batch_whose_confirms_keep_coming_is_kept(
 
 def test_a_batch_without_a_confirm_for_a_whole_timeout_is_given_up(
         queue: str, proxy: support.TcpProxy) -> None:
-    pub = _publisher(proxy)
+    pub = support.publisher(support.broker_url(proxy.port),
+                            confirm_timeout=CONFIRM_TIMEOUT)
     try:
         assert pub.declare({queue}) == {}
         proxy.stall()
