@@ -280,7 +280,10 @@ class Store(Session):
             # undoes this statement only), the statement, the savepoint released.
             commands: list[tuple[str, dict[str, object] | None]] = []
             if not self._keyed_lock_timeout_set:
+                # Before the savepoint: a failure of the statement, rolled back to
+                # it, leaves the lock timeout set, and the retries need not send it.
                 commands.append(("keyed_lock_timeout", {"timeout": KEYED_LOCK_TIMEOUT}))
+                self._keyed_lock_timeout_set = True
             commands += [("keyed_savepoint", None), (name, params(group)),
                          ("keyed_release", None)]
             try:
@@ -290,7 +293,6 @@ class Store(Session):
                 # the transaction goes on from before the statement.
                 self._execute_all([("keyed_rollback", None), ("keyed_release", None)])
                 raise
-            self._keyed_lock_timeout_set = True
             return [int(row[0]) for row in cursors[-2].fetchall()]  # type: ignore[call-overload]
 
         def locked_now(group: Sequence[K]) -> set[int]:
