@@ -10,7 +10,7 @@ Each point is a fresh database with a pile staged by SQL (bench/curves.py), then
   staged rows (against the 20k one);
 * ``queues``: ``--good`` jobs over 1, 2,000, 10,000 queues, against raw pika declaring
   the same queues (one round trip each) and publishing the same messages at the best
-  of its confirm windows (bench/curves.py WINDOWS);
+  of its confirm windows (bench/curves.py DEPTHS);
 * ``held``: the good jobs' rate with 0 or 100,000 rows staged before them for a queue
   whose declare the broker refuses (406), without and with ``--app``
   (bench/curves_app.py routes rows staged without a queue: plain ``task_routes``,

@@ -33,8 +33,11 @@ from drain.settings.config import Settings
 from drain.settings.urls import broker_parameters
 
 PILE, GOOD = "bench.pile", "bench.flowing"
-#: Raw pika's confirm windows, the best of which is the baseline.
-WINDOWS = (1000, 5000)
+#: The messages in flight the queues curve tries, as the drain's batch size x pipeline
+#: and as raw pika's confirm window (batch x pipeline): the best of each is compared.
+#: The first is the drain's default; over thousands of queues each queue's writes
+#: are flushed apart, and more in flight means fewer flushes per message.
+DEPTHS = ((1000, 4), (1000, 8))
 #: Seconds a point may take (the drain publishing the good jobs), else it is recorded
 #: as not done.
 TIMEOUT = 300.0
@@ -80,20 +83,28 @@ def delete_queues(names: list[str]) -> None:
             channel.queue_delete(name)
 
 
-def timed_drain(url: str, done: Callable[[], bool], *, app: str = "",
-                what: str = "the good jobs published") -> float:
-    """Run a drain until ``done``; the seconds it took."""
-    runner = Drain(Settings(database_url=url, broker_url=BROKER_URL, celery_app=app))
+def timed_drain(url: str, done: Callable[[], bool] | int, *, app: str = "",
+                what: str = "the good jobs published", depth: tuple[int, int] = (1000, 4),
+                ) -> float:
+    """Run a drain until ``done``; the seconds it took. ``done`` as a number: until
+    the drain itself counts that many rows confirmed and deleted (``Drain.published``,
+    read in-process), as raw pika counts its confirms: a check that costs nothing,
+    where a look at the table (a connection each time) takes CPU from the drain."""
+    batch_size, pipeline = depth
+    runner = Drain(Settings(database_url=url, broker_url=BROKER_URL, celery_app=app,
+                            batch_size=batch_size, pipeline=pipeline))
+    finished = (done if callable(done) else lambda: runner.published >= done)
     started = time.perf_counter()
     with harness.running(runner) as thread:
         def check() -> bool:
-            if done():
+            if finished():
                 return True
             if not thread.is_alive():
                 raise SystemExit(f"bench_curves: the drain stopped ({what})")
             return False
 
-        harness.wait_until(check, TIMEOUT, f"bench_curves: {what}", interval=0.02)
+        harness.wait_until(check, TIMEOUT, f"bench_curves: {what}",
+                           interval=0.02 if callable(done) else 0.002)
         return time.perf_counter() - started
 
 
@@ -119,26 +130,38 @@ def backlog(size: int, good: int) -> dict[str, Any]:
 
 def queues(count: int, good: int) -> dict[str, Any]:
     """``good`` jobs over ``count`` queues: the drain, and raw pika declaring the same
-    queues and publishing the same messages at its best window.
+    queues and publishing the same messages, each at the same depths in flight
+    (DEPTHS: the drain's batch size x pipeline, raw pika's confirm window), in turns;
+    the best of each is compared. The broker's confirms over thousands of queues vary
+    by 2 x from one try to the next, and depend on the depth.
 
     Raw pika declares at its best: over as many channels at once as the drain
     (DECLARE_CHANNELS), each channel's share sent with ``nowait`` and one
-    ``basic.qos`` as its barrier (:func:`declare_pipelined`)."""
+    ``basic.qos`` as its barrier (:func:`declare_pipelined`). Both start with no
+    queue declared."""
     with harness.Setup("curve_queues") as setup:
         url = setup.database()
         prefix = f"bench_curve_queues_{setup.tag}"
         names = [prefix] if count == 1 else [f"{prefix}_{i}" for i in range(count)]
         setup.callback(delete_queues, names)
-        sql_stage(url, good, prefix, GOOD, queues=count)
-        messages = staged_messages(url)
-        drain_seconds = timed_drain(url, lambda: staged_count(url) == 0)
-        delete_queues(names)
-        raw = []
-        for window in WINDOWS:
-            declared = declare_pipelined(names)
-            raw.append(declared + raw_pika(messages, pre_encoded=True, window=window))
-            delete_queues(names)
-        return {"x": count, "rate": good / drain_seconds, "raw_rate": good / min(raw)}
+        drain, raw = [], []
+        messages: list[Any] = []
+        staged = False  # the good jobs are in the table, waiting for the drain's turn
+        for round_, depth in enumerate(DEPTHS):
+            for who in harness.turns(round_, ("drain", "raw")):
+                if not staged and (who == "drain" or not messages):
+                    sql_stage(url, good, prefix, GOOD, queues=count)
+                    messages, staged = messages or staged_messages(url), True
+                if who == "drain":
+                    drain.append(timed_drain(url, good, depth=depth))
+                    assert staged_count(url) == 0, "bench_curves: the drain left rows staged"
+                    staged = False
+                else:
+                    raw.append(declare_pipelined(names)
+                               + raw_pika(messages, pre_encoded=True,
+                                          window=depth[0] * depth[1]))
+                delete_queues(names)
+        return {"x": count, "rate": good / min(drain), "raw_rate": good / min(raw)}
 
 
 def declare_pipelined(names: list[str], channels: int = DECLARE_CHANNELS) -> float:
