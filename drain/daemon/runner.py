@@ -223,6 +223,9 @@ class Drain:
         if not self._store.holds_lock:
             self._try_lead()
         elif not self._publisher.connected:
+            # Lost between cycles (noticed while serving the connection): the batches
+            # in flight went with it, their rows stay staged (published again).
+            self.pipeline.forget()
             self._connect_broker()
         else:
             self._step()
@@ -292,7 +295,7 @@ class Drain:
         self.metrics.last_cycle.set(time.time())
         self._outages.recovered("database")
         self._outages.recovered("broker")
-        if count < self.settings.batch_size and not self.pipeline.inflight:
+        if count < self.settings.batch_size and not self.pipeline.owed:
             if count == 0 and self.exit_when_empty:
                 log.info("backlog empty: exiting (--exit-when-empty)")
                 self._stopping = True
