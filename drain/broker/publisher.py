@@ -5,11 +5,15 @@ pika's ``BlockingConnection`` waits one round trip per confirmed message
 calling thread instead: :meth:`Publisher.start` writes a whole batch with
 ``mandatory=True`` and returns at once; :meth:`Publisher.wait` runs the I/O
 loop until every delivery tag of that batch is acked or nacked, the
-connection dies, or the confirm timeout passes. Two batches can be in flight,
-so the drain publishes the next batch while the broker confirms the previous
-one. The frames of a batch are joined into a few large writes before the loop
-turns (pika would send each frame with its own system call), through the
-corkable transport of drain.broker.corked. Nothing runs in the background: the
+connection dies, or the confirm timeout passes. Several batches can be in
+flight, so the drain publishes the next batch while the broker confirms the
+previous ones; :meth:`Publisher.wait_some` waits only until enough of them
+are answered, and :meth:`Publisher.harvest` reports the answers of a batch
+still in flight (drain.broker.batches), so that one queue's slow confirms
+hold back only its own rows (drain.daemon.confirms). The frames of a batch
+are joined into a few large writes before the loop turns (pika would send
+each frame with its own system call), through the corkable transport of
+drain.broker.corked. Nothing runs in the background: the
 I/O loop only turns inside ``connect``, ``wait`` and ``pump`` (which the drain
 calls while idle, so heartbeats keep flowing).
 
@@ -46,71 +50,22 @@ worst, never a row deleted for a message the broker dropped.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import pika
 
 from drain.broker.amqp import EncodedProperties
+from drain.broker.batches import Batch, PublishResult, report
 from drain.broker.broker_list import BrokerList
-from drain.broker.outgoing import Message, PauseKey
+from drain.broker.outgoing import Message
 from drain.broker.queue_declare import QueueSpec
 from drain.broker.refusal import ACKED, NACKED, RESOLVED, RETURNED, Refusal, RefusalProbingLink
 from drain.errors import BrokerBlocked, BrokerUnavailable, QueueDeclareRefused
 
 log = logging.getLogger("drain.publisher")
-
-@dataclasses.dataclass(eq=False)
-class Batch:
-    """Messages published together; their delivery tags are base+1 .. base+len."""
-
-    base: int
-    status: bytearray
-    #: Which connection published it; tags mean nothing on another one.
-    generation: int = 0
-    messages: list[Message] = dataclasses.field(default_factory=list)
-    resolved: int = 0
-    #: Messages the broker refused (drain.broker.refusal), by index.
-    refusals: dict[int, Refusal] = dataclasses.field(default_factory=dict)
-
-    @property
-    def row_ids(self) -> list[int]:
-        return [m.row_id for m in self.messages]
-
-
-@dataclasses.dataclass
-class PublishResult:
-    """What became of one batch."""
-
-    #: Row ids whose messages the broker confirmed (acked, not returned).
-    confirmed: list[int]
-    #: Row ids whose messages came back unroutable (``mandatory``, no queue bound).
-    returned: list[int]
-    #: Number of messages the broker nacked.
-    nacked: int
-    #: Set when the batch ended early (connection lost, confirm timeout);
-    #: the confirmed rows are still safe to delete.
-    error: BrokerUnavailable | None = None
-    #: What the returned messages pause (drain.daemon.holds): their declared queue,
-    #: or their exchange and routing key when nothing is declared for them.
-    returned_keys: set[PauseKey] = dataclasses.field(default_factory=set)
-    #: The pause keys of the confirmed messages: a confirm resumes them.
-    confirmed_keys: set[PauseKey] = dataclasses.field(default_factory=set)
-    #: Row id -> the pause key of its returned message.
-    returned_to: dict[int, PauseKey] = dataclasses.field(default_factory=dict)
-    #: Messages the broker refused by closing the channel, and what becomes of
-    #: their rows (drain.broker.refusal).
-    refused: list[tuple[Message, Refusal]] = dataclasses.field(default_factory=list)
-    #: The pause keys of the nacked messages: the drain pauses these.
-    nacked_keys: set[PauseKey] = dataclasses.field(default_factory=set)
-
-    @property
-    def returned_declared(self) -> set[str]:
-        """The queues declared for the returned messages: declared again next time."""
-        return {key.queue for key in self.returned_to.values() if key.queue}
-
 
 class Publisher(RefusalProbingLink):
     """One AMQP connection and one confirm-mode channel."""
@@ -186,7 +141,8 @@ class Publisher(RefusalProbingLink):
         if undeclared:
             raise BrokerUnavailable(f"queues not declared yet: {sorted(undeclared)}")
         # Delivery tags count up from 1 per channel; this batch owns the next `count`.
-        batch = Batch(base=self._base_tag, status=bytearray(count), generation=self._generation)
+        batch = Batch(base=self._base_tag, status=bytearray(count), generation=self._generation,
+                      published_at=time.monotonic())
         self._base_tag += count
         self._inflight.append(batch)
         channel = self._channel
@@ -242,22 +198,57 @@ class Publisher(RefusalProbingLink):
         alarm) ends the wait early with :class:`BrokerBlocked` and leaves the batch
         in flight: the broker has stopped reading, not lost anything, and its
         confirms come once the alarm clears. The confirm timeout counts from the
-        next wait, so a long alarm never makes the drain abandon the batch."""
+        next wait, so a long alarm never makes the drain abandon the batch.
+
+        What was reported of the batch before (:meth:`harvest`) is not reported
+        again."""
+        return self._end(batch, self._await(batch, timeout, until_blocked, None, None))
+
+    def wait_some(self, batch: Batch, enough: Callable[[], bool], timeout: float | None = None,
+                  *, until_blocked: bool = False,
+                  patience: float | None = None) -> PublishResult | None:
+        """:meth:`wait`, except that it also ends once ``enough()`` holds (checked as
+        confirms come), or after ``patience`` seconds: then None, and the batch stays
+        in flight."""
+        error = self._await(batch, timeout, until_blocked, enough, patience)
+        if error is None and batch.resolved < len(batch.status):
+            return None
+        return self._end(batch, error)
+
+    def harvest(self, batch: Batch) -> PublishResult | None:
+        """Without waiting: the messages of ``batch`` the broker answered since its
+        last report (None if none). Once every message was, the batch is over."""
+        if batch.resolved <= batch.reported:
+            return None
+        result = report(batch, answered_only=True)
+        if batch.done:
+            with contextlib.suppress(ValueError):
+                self._inflight.remove(batch)
+        return result
+
+    def _await(self, batch: Batch, timeout: float | None, until_blocked: bool,
+               enough: Callable[[], bool] | None,
+               patience: float | None) -> BrokerUnavailable | None:
+        """Turn the I/O loop until ``batch`` is answered (or ``enough()``, or
+        ``patience`` ran out); the error that ended it early, if any (see :meth:`wait`)."""
         n = len(batch.status)
         limit = self._confirm_timeout if timeout is None else min(timeout, self._confirm_timeout)
+        if patience is not None:
+            limit = min(limit, patience)
         current = batch.generation == self._generation and self._conn is not None
 
         def done() -> bool:
             return (batch.resolved >= n or self._failure is not None
-                    or self._refusal is not None or (until_blocked and self.blocked is not None))
+                    or self._refusal is not None or (until_blocked and self.blocked is not None)
+                    or (enough is not None and enough()))
 
         seen = batch.resolved
         finished = current and self._run_until(done, limit)
         # A broker that confirms slowly has not stopped (thousands of queues, each
         # writing its own messages, confirm a few dozen a second): the batch is given
         # up only after a whole confirm timeout without a confirm for it.
-        while (current and not finished and timeout is None and batch.resolved > seen
-               and self._failure is None and self._refusal is None):
+        while (current and not finished and timeout is None and patience is None
+               and batch.resolved > seen and self._failure is None and self._refusal is None):
             seen = batch.resolved
             if self.on_progress is not None:
                 self.on_progress()
@@ -268,38 +259,30 @@ class Publisher(RefusalProbingLink):
         if (until_blocked and current and self.blocked is not None
                 and batch.resolved < n and self._failure is None):
             raise BrokerBlocked(self.blocked)
-        error: BrokerUnavailable | None = None
         if not current:
-            error = BrokerUnavailable(
+            return BrokerUnavailable(
                 f"broker at {self._display_url}: connection lost before the batch was confirmed"
             )
-        elif self._failure is not None:
-            error = BrokerUnavailable(
+        if self._failure is not None:
+            return BrokerUnavailable(
                 f"broker at {self._display_url} lost mid-batch: {self._failure}"
             )
-        elif not finished:
-            error = BrokerUnavailable(
+        if not finished and patience is not None:
+            return None  # still in flight: the caller goes on without it
+        if not finished:
+            # Late acks must never be mistaken for another batch's: start afresh.
+            self._failure = "abandoned a batch after the confirm timeout"
+            return BrokerUnavailable(
                 f"broker at {self._display_url} confirmed {batch.resolved} of {n} messages, "
                 f"then none for {limit:g}s"
             )
-            # Late acks must never be mistaken for another batch's: start afresh.
-            self._failure = "abandoned a batch after the confirm timeout"
+        return None
+
+    def _end(self, batch: Batch, error: BrokerUnavailable | None) -> PublishResult:
+        """The batch is over: what was not reported yet (drain.broker.batches)."""
         with contextlib.suppress(ValueError):
             self._inflight.remove(batch)
-        status = batch.status
-        messages = batch.messages
-        returned = [m for i, m in enumerate(messages) if status[i] & RETURNED]
-        return PublishResult(
-            [m.row_id for i, m in enumerate(messages) if status[i] == ACKED],
-            [m.row_id for m in returned],
-            sum(1 for value in status if value & NACKED),
-            error,
-            returned_keys={m.pause_key for m in returned},
-            confirmed_keys={m.pause_key for i, m in enumerate(messages) if status[i] == ACKED},
-            returned_to={m.row_id: m.pause_key for m in returned},
-            refused=[(messages[i], refusal) for i, refusal in sorted(batch.refusals.items())],
-            nacked_keys={m.pause_key for i, m in enumerate(messages) if status[i] & NACKED},
-        )
+        return report(batch, error)
 
     def publish(self, messages: Sequence[Message]) -> PublishResult:
         """Declare, publish a batch and wait for its confirms (for tools and tests)."""

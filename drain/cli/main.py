@@ -99,9 +99,10 @@ def _add_run_parser(sub: Any) -> None:
         p, "--pipeline", env="DRAIN_PIPELINE", default=config.DEFAULT_PIPELINE,
         parse=options.Number(whole=True, low=1, high=config.MAX_PIPELINE),
         metavar="N",
-        help=f"batches in flight at once, 1 to {config.MAX_PIPELINE}: the next ones are "
-        "fetched and published while the broker confirms the oldest. A crash republishes "
-        "at most N x batch size jobs (same task ids); 1 overlaps nothing",
+        help=f"batches' worth of messages in flight, 1 to {config.MAX_PIPELINE}: the next "
+        "batch is fetched and published while at most N - 1 batches' worth are "
+        "unconfirmed. A crash republishes at most N x batch size jobs (same task ids); "
+        "1 overlaps nothing",
     )
     options.add(
         p, "--poll-interval", env="DRAIN_POLL_INTERVAL", default=1.0,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from drain.broker.batches import PublishResult
 from drain.broker.outgoing import PauseKey
-from drain.broker.publisher import PublishResult
 from drain.daemon.holds import Holds
 from drain.daemon.metrics import Metrics
 from drain.errors import QueueDeclareRefused

@@ -20,12 +20,13 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from drain.broker.batches import Batch, PublishResult
 from drain.broker.outgoing import Message, PauseKey
-from drain.broker.publisher import Batch, Publisher, PublishResult
+from drain.broker.publisher import Publisher
 from drain.celery import message, unsendable
 from drain.celery.message import Destination
 from drain.celery.routing import AppRouter, UnknownTask
-from drain.daemon import piles
+from drain.daemon import confirms, piles
 from drain.daemon.answers import Answers
 from drain.daemon.holds import Holds
 from drain.daemon.metrics import Metrics
@@ -96,7 +97,8 @@ class Pipeline:
             max_priority=settings.queue_max_priority,
         )
         #: Batches published and not yet settled, oldest first (at most
-        #: ``settings.pipeline - 1`` between cycles).
+        #: ``settings.pipeline - 1`` batches' worth of messages unconfirmed between
+        #: cycles: drain.daemon.confirms).
         self.inflight: list[Batch] = []
         #: What stays staged for a while, keyed by what failed, and why (drain.daemon.holds).
         self.holds = Holds()
@@ -109,6 +111,8 @@ class Pipeline:
         self.refusals = piles.Refusals(self.holds, self.answers.refused_reason)
         #: Rows the broker confirmed, this process's lifetime.
         self.published = 0
+        #: Waits for the confirms of the batches in flight (drain.daemon.confirms).
+        self.confirms = confirms.Confirms(settings, publisher, metrics)
         #: Removes rows only as they were read; holds out the ones that keep changing.
         self.settle = Settle(store, metrics)
         self._heads_at = 0.0
@@ -122,15 +126,18 @@ class Pipeline:
         self.settle.forget()
 
     def cycle(self, *, stopping: bool = False) -> int:
-        """One transaction: publish a new batch, settle the oldest one in flight.
+        """One transaction: publish a new batch, settle what the broker confirmed.
 
         With ``pipeline`` P, the batch published in transaction k is confirmed
         while transactions k+1 .. k+P-1 fetch and publish the next ones, so the
-        broker never waits for Postgres: transaction k+P-1 then deletes the rows
-        of batch k that the broker confirmed. Rows still in flight are excluded
-        from the fetch. A part batch (nothing left behind it to overlap with)
-        settles everything in flight, itself included, in its own transaction:
-        the latency of a lone job is one transaction, not P. In the same
+        broker never waits for Postgres: each transaction deletes the rows whose
+        messages the broker confirmed since the last one, and waits only while
+        more than P-1 batches' worth are unconfirmed (drain.daemon.confirms).
+        Rows still in flight are excluded from the fetch. A part batch (nothing
+        left behind it to overlap with) settles everything in flight, itself
+        included, in its own transaction: the latency of a lone job is one
+        transaction, not P (except a slow queue's last messages, which later
+        cycles collect as they come). In the same
         transaction, expired rows and rows that can never become a message move
         to dead_jobs. Returns how many rows were fetched or expired.
 
@@ -175,8 +182,9 @@ class Pipeline:
                     self.metrics.publish_seconds.observe(time.perf_counter() - publishing)
                 # On the way out, do not keep a stalled broker's batch for the whole
                 # confirm timeout: abandoning it is safe (its rows stay staged).
-                self._collect(pending, results, everything=len(rows) < limit or bool(start_error),
-                              timeout=SETTLE_TIMEOUT if stopping else None)
+                self.confirms.collect(pending, results,
+                                      everything=len(rows) < limit or bool(start_error),
+                                      timeout=SETTLE_TIMEOUT if stopping else None)
                 deleted, buried = self.settle.remove(results, doomed)
         except (DatabaseUnavailable, BatchConflict):
             # Rolled back: every row stays staged, the ones the broker confirmed
@@ -197,23 +205,11 @@ class Pipeline:
             return limit  # queues left undeclared: no idling before the next batch
         return max(len(rows), len(expired.done) + len(expired.left))
 
-    def _collect(self, pending: list[Batch], results: list[PublishResult], *,
-                 everything: bool, timeout: float | None) -> None:
-        """Wait for the oldest batches' confirms, into ``results``.
-
-        Down to pipeline - 1 batches in flight; all of them with ``everything``
-        (no backlog left: nothing would follow to overlap with, so a lone job
-        takes one transaction; or publishing failed) or once a batch's
-        connection failed (collect what was confirmed before that). A broker
-        that blocks publishing ends the wait: the rest stays in flight.
-        """
-        while pending and (everything or len(pending) >= self.settings.pipeline
-                           or any(r.error for r in results)):
-            try:
-                results.append(self._wait(pending[0], timeout))
-            except BrokerBlocked:
-                return  # in flight until the alarm clears: see _blocked
-            pending.pop(0)
+    @property
+    def owed(self) -> bool:
+        """Batches in flight that the next cycle waits for (not only a slow queue's
+        last messages, which it collects as they come): the loop does not idle."""
+        return confirms.owed(self.inflight)
 
     def _expire_and_fetch(self, exclude: list[int],
                           limit: int) -> tuple[Settled, list[StagedRow]]:
@@ -231,14 +227,6 @@ class Pipeline:
         if found >= limit:
             return expired, []
         return expired, self._fetch(limit, exclude)
-
-    def _wait(self, batch: Batch, timeout: float | None = None) -> PublishResult:
-        """Wait for a batch's confirms, timed; BrokerBlocked if the broker blocks first."""
-        started = time.perf_counter()
-        try:
-            return self._publisher.wait(batch, timeout, until_blocked=True)
-        finally:
-            self.metrics.confirm_seconds.observe(time.perf_counter() - started)
 
     def _expire_due(self) -> bool:
         """Look for expired rows at most every EXPIRE_INTERVAL while there are none

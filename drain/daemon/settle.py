@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Iterable
 
-from drain.broker.publisher import PublishResult
+from drain.broker.batches import PublishResult
 from drain.daemon.metrics import Metrics
 from drain.postgres.conflicts import Cooling, Settled
 from drain.postgres.rows import StagedRow

@@ -23,8 +23,9 @@ import psycopg
 import pytest
 
 import drain
+from drain.broker.batches import PublishResult
 from drain.broker.outgoing import Message, PauseKey
-from drain.broker.publisher import Publisher, PublishResult
+from drain.broker.publisher import Publisher
 from drain.broker.queue_declare import BindingSpec, ExchangeSpec, QueueSpec
 from drain.celery import message
 from drain.celery.message import Destination

@@ -1,0 +1,125 @@
+"""What became of a published batch: its messages' answers, reported once each.
+
+A :class:`Batch` is the messages :class:`drain.broker.publisher.Publisher` wrote
+together, with a status per message (drain.broker.refusal: acked, nacked,
+returned, refused). :func:`report` turns the answers that came into a
+:class:`PublishResult`, the drain's view (confirmed rows to delete, returned and
+nacked rows that stay staged, the pause keys they touch), and marks each
+reported message, so that a batch can be reported in parts: the drain deletes
+the rows the broker confirmed while other messages of the same batch are still
+waiting for theirs (over many queues, RabbitMQ confirms out of order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from drain.broker.outgoing import Message, PauseKey
+from drain.broker.refusal import ACKED, NACKED, RESOLVED, RETURNED, Refusal
+from drain.errors import BrokerUnavailable
+
+#: A message's status flag once a :class:`PublishResult` reported it.
+REPORTED = 16
+
+
+@dataclasses.dataclass(eq=False)
+class Batch:
+    """Messages published together; their delivery tags are base+1 .. base+len."""
+
+    base: int
+    status: bytearray
+    #: Which connection published it; tags mean nothing on another one.
+    generation: int = 0
+    messages: list[Message] = dataclasses.field(default_factory=list)
+    resolved: int = 0
+    #: Messages the broker refused (drain.broker.refusal), by index.
+    refusals: dict[int, Refusal] = dataclasses.field(default_factory=dict)
+    #: Messages already reported (:func:`report`): their rows are no longer in flight.
+    reported: int = 0
+    #: When it was published (time.monotonic()).
+    published_at: float = 0.0
+    #: A wait for it ran out of patience (drain.daemon.pipeline): its last messages
+    #: are slow to be answered, and the drain goes on without waiting for them.
+    lingered: bool = False
+
+    @property
+    def row_ids(self) -> list[int]:
+        """The rows still in flight: published and not reported yet."""
+        if not self.reported:
+            return [m.row_id for m in self.messages]
+        status = self.status
+        return [m.row_id for i, m in enumerate(self.messages) if not status[i] & REPORTED]
+
+    @property
+    def unresolved(self) -> int:
+        """Messages the broker has not answered yet."""
+        return len(self.status) - self.resolved
+
+    @property
+    def done(self) -> bool:
+        """Every message reported."""
+        return self.reported >= len(self.messages)
+
+
+@dataclasses.dataclass
+class PublishResult:
+    """What became of one batch, or of the part of it reported at once."""
+
+    #: Row ids whose messages the broker confirmed (acked, not returned).
+    confirmed: list[int]
+    #: Row ids whose messages came back unroutable (``mandatory``, no queue bound).
+    returned: list[int]
+    #: Number of messages the broker nacked.
+    nacked: int
+    #: Set when the batch ended early (connection lost, confirm timeout);
+    #: the confirmed rows are still safe to delete.
+    error: BrokerUnavailable | None = None
+    #: What the returned messages pause (drain.daemon.holds): their declared queue,
+    #: or their exchange and routing key when nothing is declared for them.
+    returned_keys: set[PauseKey] = dataclasses.field(default_factory=set)
+    #: The pause keys of the confirmed messages: a confirm resumes them.
+    confirmed_keys: set[PauseKey] = dataclasses.field(default_factory=set)
+    #: Row id -> the pause key of its returned message.
+    returned_to: dict[int, PauseKey] = dataclasses.field(default_factory=dict)
+    #: Messages the broker refused by closing the channel, and what becomes of
+    #: their rows (drain.broker.refusal).
+    refused: list[tuple[Message, Refusal]] = dataclasses.field(default_factory=list)
+    #: The pause keys of the nacked messages: the drain pauses these.
+    nacked_keys: set[PauseKey] = dataclasses.field(default_factory=set)
+
+    @property
+    def returned_declared(self) -> set[str]:
+        """The queues declared for the returned messages: declared again next time."""
+        return {key.queue for key in self.returned_to.values() if key.queue}
+
+
+def report(batch: Batch, error: BrokerUnavailable | None = None, *,
+           answered_only: bool = False) -> PublishResult:
+    """The messages of ``batch`` not reported yet, as a result, each marked reported.
+
+    ``answered_only``: only those the broker answered (acked, nacked or refused);
+    the others stay in flight for a later report. Otherwise the batch is over:
+    every message is reported, and one that was never answered is in no list
+    (its row stays staged)."""
+    status, messages = batch.status, batch.messages
+    picked = [i for i in range(len(messages)) if not status[i] & REPORTED
+              and (not answered_only or status[i] & RESOLVED)]
+    confirmed = [i for i in picked if status[i] == ACKED]
+    returned = [messages[i] for i in picked if status[i] & RETURNED]
+    nacked = [i for i in picked if status[i] & NACKED]
+    refusals = batch.refusals
+    result = PublishResult(
+        [messages[i].row_id for i in confirmed],
+        [m.row_id for m in returned],
+        len(nacked),
+        error,
+        returned_keys={m.pause_key for m in returned},
+        confirmed_keys={messages[i].pause_key for i in confirmed},
+        returned_to={m.row_id: m.pause_key for m in returned},
+        refused=[(messages[i], refusals[i]) for i in picked if i in refusals],
+        nacked_keys={messages[i].pause_key for i in nacked},
+    )
+    for i in picked:
+        status[i] |= REPORTED
+    batch.reported += len(picked)
+    return result
