@@ -204,10 +204,12 @@ class Refusals:
     """Pauses the queues the broker refused to declare, one warning per cause.
 
     A single queue is said as before (its own warning, drain.daemon.holds). Many
-    refused alike (the same reply code) at once are one warning for them all,
-    naming the first few, instead of one per queue (1,000 refused queues made
-    1,000 warnings); such a queue, refused again later, stays under that one
-    cause, reminded at most every REMIND_EVERY.
+    refused alike (the same reply code), at once or one after another, are one
+    warning for them all, naming the first few, instead of one per queue (1,000
+    refused queues made 1,000 warnings): the first queue refused alone is said
+    alone, and from the second one refused alike they are one cause. Such a
+    queue, refused again later, stays under that one cause, reminded at most
+    every REMIND_EVERY.
     """
 
     def __init__(self, holds: Holds, refused_reason: Callable[[str, str], str]) -> None:
@@ -220,6 +222,8 @@ class Refusals:
         #: The causes said for many queues at once: a queue refused alike later
         #: (the next batch's, say) joins its cause instead of a warning of its own.
         self.grouped: set[str] = set()
+        #: cause -> the first queue refused for it alone (said with its own warning).
+        self.alone: dict[str, str] = {}
 
     def pause(self, refused: dict[str, str]) -> None:
         """Pause each queue of ``refused`` (``{queue: the broker's reply}``)."""
@@ -233,11 +237,16 @@ class Refusals:
             cause = f"declare refused {code}"
             fresh = [q for q in queues if self.causes.get(q) != cause]
             reasons = {q: self.refused_reason(q, refused[q]) for q in queues}
-            if len(fresh) > 1 and cause not in self.grouped:
+            alone = self.alone.get(cause)
+            if len(fresh) == 1 and alone is None:
+                self.alone[cause] = alone = fresh[0]  # said alone (drain.daemon.holds)
+            if cause not in self.grouped and fresh and fresh != [alone]:
                 self.grouped.add(cause)
-                shown = ", ".join(repr(q) for q in fresh[:SHOWN])
-                more = f" and {len(fresh) - SHOWN} more" if len(fresh) > SHOWN else ""
-                holds.say(cause, f"broker refused to declare {len(fresh)} queues ({code}): "
+                members = fresh if alone is None or alone in fresh else [alone, *fresh]
+                self.causes.update(dict.fromkeys(members, cause))
+                shown = ", ".join(repr(q) for q in members[:SHOWN])
+                more = f" and {len(members) - SHOWN} more" if len(members) > SHOWN else ""
+                holds.say(cause, f"broker refused to declare {len(members)} queues ({code}): "
                                  f"{shown}{more}; their rows stay staged; retrying each with "
                                  f"backoff, up to {MAX_PAUSE:g}s apart. The first: "
                                  f"{reasons[fresh[0]]}")

@@ -177,7 +177,11 @@ def test_many_refused_queues_are_one_warning_and_declared_again_a_chunk_at_a_tim
         assert max(calls[-10:]) <= piles.DUE_PER_CYCLE, calls
         said = [r for r in caplog.records
                 if r.levelno >= logging.WARNING and "refused to declare" in r.getMessage()]
-        assert len(said) == 1, [r.getMessage()[:80] for r in said]  # one cause, one warning
+        # One cause, one warning; on a busy machine the first batch's declares may
+        # come back one refusal at a time, and the first is said on its own
+        # (tests/unit/test_refusals.py).
+        grouped = [r for r in said if "queues (406)" in r.getMessage()]
+        assert len(grouped) == 1 and len(said) <= 2, [r.getMessage()[:80] for r in said]
         staged = support.stage_backlog(db_url, queue, 1)  # a healthy queue flows meanwhile
         support.wait_for(lambda: support.staged_count(db_url) == len(refused), 30,
                          "the healthy job to be published")
