@@ -74,6 +74,9 @@ class AmqpLink:
         #: Why the broker blocks this connection (a resource alarm), or None.
         self.blocked: str | None = None
         self._blocked_since = 0.0
+        #: When the broker last lifted a block (monotonic): what was in flight had
+        #: no confirm meanwhile, and its confirm timeout counts from then.
+        self.unblocked_at = 0.0
 
     # -- connection -----------------------------------------------------------
 
@@ -252,6 +255,7 @@ class AmqpLink:
             log.warning("broker at %s blocks publishing: %s (a resource alarm); waiting for "
                         "it to clear, jobs stay staged", self._display_url, reason)
         elif reason is None and self.blocked is not None:
+            self.unblocked_at = time.monotonic()
             log.warning("broker at %s unblocked after %.1fs: publishing again",
                         self._display_url, time.monotonic() - self._blocked_since)
         self.blocked = reason

@@ -226,6 +226,26 @@ class Publisher(RefusalProbingLink):
                 self._inflight.remove(batch)
         return result
 
+    def silent_for(self, batch: Batch) -> float:
+        """Seconds since the broker last answered a message of ``batch``, or since it
+        became the oldest in flight, or since the broker lifted a block, whichever
+        came last (the confirm timeout runs from then, as it does for :meth:`wait`)."""
+        since = max(batch.oldest_at or batch.published_at, batch.answered_at, self.unblocked_at)
+        return time.monotonic() - since
+
+    def give_up(self, batch: Batch) -> PublishResult:
+        """End ``batch`` without the confirms still missing, after a whole confirm
+        timeout without one (:meth:`silent_for`): its unanswered rows stay staged, and
+        the connection starts afresh, so that no late ack is taken for another batch's."""
+        self._failure = self._failure or "abandoned a batch after the confirm timeout"
+        return self._end(batch, BrokerUnavailable(
+            f"broker at {self._display_url} confirmed {batch.resolved} of "
+            f"{len(batch.status)} messages, then none for {self._confirm_timeout:g}s"))
+
+    @property
+    def confirm_timeout(self) -> float:
+        return self._confirm_timeout
+
     def _await(self, batch: Batch, timeout: float | None, until_blocked: bool,
                enough: Callable[[], bool] | None,
                patience: float | None) -> BrokerUnavailable | None:
@@ -317,6 +337,7 @@ class Publisher(RefusalProbingLink):
         status = ACKED if isinstance(method, pika.spec.Basic.Ack) else NACKED
         first = self._low if method.multiple else tag
         self._confirmed_up_to = max(self._confirmed_up_to, tag)
+        now = time.monotonic()
         for batch in self._inflight:
             size = len(batch.status)
             if batch.base >= tag:
@@ -324,6 +345,7 @@ class Publisher(RefusalProbingLink):
             if batch.base + size < first:
                 continue
             statuses = batch.status
+            batch.answered_at = now
             for i in range(max(first - batch.base - 1, 0), min(tag - batch.base, size)):
                 if not statuses[i] & RESOLVED:
                     statuses[i] |= status

@@ -22,6 +22,9 @@ from drain.settings.config import Settings
 #: Seconds the drain waits, with no backlog, for the last confirms of a batch before
 #: it goes on without them (a slow queue's: :meth:`Confirms.collect`).
 LINGER = 0.25
+#: Seconds one cycle waits for room in the window at most (less with a shorter
+#: confirm timeout): its transaction is open meanwhile, holding a snapshot.
+COLLECT_BUDGET = 5.0
 
 
 def owed(inflight: Iterable[Batch]) -> bool:
@@ -38,65 +41,85 @@ class Confirms:
         self._publisher = publisher
         self.metrics = metrics
 
+    def room(self, pending: list[Batch]) -> bool:
+        """Whether the window has room for another batch: at most
+        ``(pipeline - 1) x batch_size`` messages unanswered, in at most
+        2 x ``pipeline`` batches."""
+        settings = self.settings
+        return (len(pending) <= 2 * settings.pipeline
+                and sum(batch.unresolved for batch in pending)
+                <= (settings.pipeline - 1) * settings.batch_size)
+
     def collect(self, pending: list[Batch], results: list[PublishResult], *,
-                 everything: bool, timeout: float | None) -> None:
+                everything: bool, timeout: float | None) -> None:
         """Wait for confirms, into ``results``: what the broker answered, each message
         reported once (drain.broker.batches), and the batches all of whose messages
         were, out of ``pending``.
 
-        While a backlog lasts, until the window has room for the next batch: at most
-        ``(pipeline - 1) x batch_size`` messages unanswered between cycles, so at
-        most ``pipeline x batch_size`` once the next batch is out (the bound on
-        duplicates per crash), in at most 2 x ``pipeline`` batches. The window
-        counts messages, not batches: over many queues RabbitMQ confirms out of
-        order, and a batch waiting for its last few confirms does not hold back
-        the next, while the rows of its confirmed messages go at once.
+        While a backlog lasts, until the window has :meth:`room` for the next batch:
+        at most ``pipeline x batch_size`` messages unanswered once it is out (the
+        bound on duplicates per crash). The window counts messages, not batches:
+        over many queues RabbitMQ confirms out of order, and a batch waiting for its
+        last few confirms does not hold back the next, while the rows of its
+        confirmed messages go at once. A cycle waits at most COLLECT_BUDGET (the
+        batch's transaction stays short however slowly the broker confirms); the
+        next one then fetches nothing until there is room (drain.daemon.pipeline).
 
         With ``everything`` (no backlog left: nothing would follow to overlap with,
         so a lone job takes one transaction; or publishing failed), until every
-        message is answered, except that it waits at most LINGER for the
-        last ones of a batch: those are a slow queue's, the batch stays in flight
-        and later cycles collect it without waiting for it. A batch out longer than
-        the confirm timeout, or once a batch's connection failed, is waited for
-        whole (given up after a whole confirm timeout without a confirm for it).
-        A broker that blocks publishing ends the wait: the rest stays in flight.
-        """
-        settings = self.settings
-        window = (settings.pipeline - 1) * settings.batch_size
-        deadline = time.monotonic() + LINGER
+        message is answered, except that it waits at most LINGER for the last ones
+        of a batch: those are a slow queue's, the batch stays in flight and later
+        cycles collect it without waiting for it.
 
-        def roomy() -> bool:
-            return sum(batch.unresolved for batch in pending) <= window
+        A batch with no answer for a whole confirm timeout is given up (its rows
+        stay staged; the connection starts afresh). Stopping (``timeout``), every
+        batch is waited for, each up to ``timeout``. A broker that blocks
+        publishing ends the wait: the rest stays in flight.
+        """
+        publisher = self._publisher
+        until = time.monotonic() + (LINGER if everything else
+                                    min(COLLECT_BUDGET, self.settings.confirm_timeout))
+
+        def room() -> bool:
+            return self.room(pending)
 
         def settled() -> bool:
             return all(batch.lingered or not batch.unresolved for batch in pending)
 
-        while pending:
-            oldest = pending[0]
-            whole = (any(r.error for r in results) or len(pending) > 2 * settings.pipeline
-                     or (everything and timeout is not None)  # stopping
-                     or time.monotonic() - oldest.published_at > settings.confirm_timeout)
-            if not whole and (settled() if everything else roomy()):
-                break
-            target = (oldest if whole or not everything else
-                      next(b for b in pending if b.unresolved and not b.lingered))
-            try:
-                if whole:
-                    result = self._wait(target, timeout)
-                elif everything:
-                    result = self._wait(target, timeout, settled,
-                                        max(deadline - time.monotonic(), 0.0))
+        goal = settled if everything else room
+        try:
+            while pending:
+                oldest = pending[0]
+                oldest.oldest_at = oldest.oldest_at or time.monotonic()
+                if timeout is not None or any(r.error for r in results):
+                    # Stopping, or the connection failed: what came before the end.
+                    result = self._wait(oldest, timeout)
+                elif publisher.silent_for(oldest) > self.settings.confirm_timeout:
+                    result = publisher.give_up(oldest)
+                elif goal():
+                    break
+                elif time.monotonic() >= until:
+                    if not everything:
+                        break  # the next cycle goes on collecting before it fetches
+                    for batch in pending:  # out of patience: go on without them
+                        batch.lingered = batch.lingered or bool(batch.unresolved)
+                    continue
                 else:
-                    result = self._wait(target, timeout, roomy)
-            except BrokerBlocked:
-                return  # in flight until the alarm clears: see _blocked
-            if result is not None:
-                results.append(result)
-                pending.remove(target)
-            elif everything and not settled():  # out of patience: go on without them
-                for batch in pending:
-                    batch.lingered = batch.lingered or bool(batch.unresolved)
-        for batch in list(pending):  # what came meanwhile, of the batches still out
+                    result = self._wait(
+                        next(b for b in pending if b.unresolved and not b.lingered)
+                        if everything else oldest, None, goal,
+                        min(until - time.monotonic(),
+                            self.settings.confirm_timeout - publisher.silent_for(oldest)))
+                if result is not None:
+                    results.append(result)
+                    pending.remove(next(b for b in pending if b.done))
+        except BrokerBlocked:
+            return  # in flight until the alarm clears: see _blocked
+        self._harvest(pending, results)
+
+    def _harvest(self, pending: list[Batch], results: list[PublishResult]) -> None:
+        """What came meanwhile, of the batches still out."""
+        for batch in list(pending):
             result = self._publisher.harvest(batch)
             if result is not None:
                 results.append(result)
@@ -105,15 +128,15 @@ class Confirms:
 
     def _wait(self, batch: Batch, timeout: float | None = None,
               enough: Callable[[], bool] | None = None,
-              patience: float | None = None) -> PublishResult | None:
-        """Wait for a batch's confirms, timed, or only until ``enough()`` or for
-        ``patience`` seconds (then None: the batch is still in flight); BrokerBlocked
-        if the broker blocks first."""
+              patience: float = 0.0) -> PublishResult | None:
+        """Wait for a batch's confirms, timed; with ``enough``, only until it holds or
+        for ``patience`` seconds (then None: the batch is still in flight);
+        BrokerBlocked if the broker blocks first."""
         started = time.perf_counter()
         try:
             if enough is None:
                 return self._publisher.wait(batch, timeout, until_blocked=True)
             return self._publisher.wait_some(batch, enough, timeout, until_blocked=True,
-                                             patience=patience)
+                                             patience=max(patience, 0.0))
         finally:
             self.metrics.confirm_seconds.observe(time.perf_counter() - started)

@@ -155,6 +155,9 @@ class Pipeline:
         rows: list[StagedRow] = []
         limit = self.settings.batch_size
         expired = Settled()
+        # The last cycle ran out of time before the window had room (a broker that
+        # confirms slowly): collect, fetch nothing (drain.daemon.confirms).
+        full = bool(pending) and not self.confirms.room(pending)
         # Left out of the fetch and the expiry: the rows in flight, and the rows
         # held out after they changed under the drain (drain.postgres.conflicts), and the
         # rows held for a paused queue that the marks did not pass (drain.daemon.piles).
@@ -164,7 +167,7 @@ class Pipeline:
             # The marks move only once the batch committed (drain.postgres.keyset, "Only what
             # committed moves a mark"): a rolled-back batch's expired rows come back.
             with self.marks.transaction(), self._store.batch():
-                if not stopping:
+                if not (stopping or full):
                     expired, rows = self._expire_and_fetch(exclude, limit)
                     self.settle.read(rows)
                 if rows:
@@ -182,8 +185,8 @@ class Pipeline:
                     self.metrics.publish_seconds.observe(time.perf_counter() - publishing)
                 # On the way out, do not keep a stalled broker's batch for the whole
                 # confirm timeout: abandoning it is safe (its rows stay staged).
-                self.confirms.collect(pending, results,
-                                      everything=len(rows) < limit or bool(start_error),
+                self.confirms.collect(pending, results, everything=not full and (
+                                          len(rows) < limit or bool(start_error)),
                                       timeout=SETTLE_TIMEOUT if stopping else None)
                 deleted, buried = self.settle.remove(results, doomed)
         except (DatabaseUnavailable, BatchConflict):

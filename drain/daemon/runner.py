@@ -296,7 +296,7 @@ class Drain:
         self._outages.recovered("database")
         self._outages.recovered("broker")
         if count < self.settings.batch_size and not self.pipeline.owed:
-            if count == 0 and self.exit_when_empty:
+            if count == 0 and self.exit_when_empty and not self.pipeline.inflight:
                 log.info("backlog empty: exiting (--exit-when-empty)")
                 self._stopping = True
                 return
