@@ -13,9 +13,9 @@ still in flight (drain.broker.batches), so that one queue's slow confirms
 hold back only its own rows (drain.daemon.confirms). The frames of a batch
 are joined into a few large writes before the loop turns (pika would send
 each frame with its own system call), through the corkable transport of
-drain.broker.corked. Nothing runs in the background: the
-I/O loop only turns inside ``connect``, ``wait`` and ``pump`` (which the drain
-calls while idle, so heartbeats keep flowing).
+drain.broker.corked. Nothing runs in the background: the I/O loop only turns
+inside ``connect``, the waits and ``pump`` (which the drain calls while idle,
+so heartbeats keep flowing).
 
 The connection's life (opening, closing, turning the I/O loop, the broker's
 alarms, error texts) is :class:`drain.broker.amqp_link.AmqpLink`'s, and declaring the

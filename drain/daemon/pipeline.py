@@ -137,9 +137,9 @@ class Pipeline:
         left behind it to overlap with) settles everything in flight, itself
         included, in its own transaction: the latency of a lone job is one
         transaction, not P (except a slow queue's last messages, which later
-        cycles collect as they come). In the same
-        transaction, expired rows and rows that can never become a message move
-        to dead_jobs. Returns how many rows were fetched or expired.
+        cycles collect as they come). In the same transaction, expired rows and
+        rows that can never become a message move to dead_jobs. Returns how many
+        rows were fetched or expired.
 
         ``stopping``: fetch nothing new, and give the batches in flight at most
         SETTLE_TIMEOUT to be confirmed (abandoning them is safe: their rows stay
