@@ -37,6 +37,7 @@ def drain_probe(argv: list[str]) -> int:
     deleting: list[int] = []
     fetch_before, start_before = Store.fetch, Publisher.start
     confirm_before, wait_before = Publisher._on_confirm, Publisher.wait
+    wait_some_before = Publisher.wait_some
     batch_before, delete_before, idle_before = Store.batch, Store.delete, Store.wait
     execute_before, notified_before = Store._execute, Store._notified
     execute_all_before = Store._execute_all
@@ -66,6 +67,13 @@ def drain_probe(argv: list[str]) -> int:
     def wait(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         t0 = now()
         result = wait_before(self, batch, *args, **kwargs)
+        rec["wait"].append((t0, now(), len(batch.status)))
+        return result
+
+    def wait_some(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        # The waits of drain.daemon.confirms: until enough is answered.
+        t0 = now()
+        result = wait_some_before(self, batch, *args, **kwargs)
         rec["wait"].append((t0, now(), len(batch.status)))
         return result
 
@@ -117,6 +125,7 @@ def drain_probe(argv: list[str]) -> int:
     Publisher.start = start  # type: ignore[method-assign]
     Publisher._on_confirm = on_confirm  # type: ignore[method-assign]
     Publisher.wait = wait  # type: ignore[method-assign]
+    Publisher.wait_some = wait_some  # type: ignore[method-assign]
     Store.batch = batch  # type: ignore[method-assign]
     Store.delete = delete  # type: ignore[method-assign]
     Store.wait = idle  # type: ignore[method-assign]
