@@ -36,10 +36,9 @@ class Batch:
     refusals: dict[int, Refusal] = dataclasses.field(default_factory=dict)
     #: Messages already reported (:func:`report`): their rows are no longer in flight.
     reported: int = 0
-    #: When it was published, when it became the oldest in flight (the confirms of
-    #: one channel come in order, mostly: a batch waits its turn), and when the
+    #: When it became the oldest in flight (the confirms of one channel come in
+    #: order, mostly: a batch waits its turn; drain.daemon.confirms), and when the
     #: broker last answered one of its messages (time.monotonic()).
-    published_at: float = 0.0
     oldest_at: float = 0.0
     answered_at: float = 0.0
     #: A wait for it ran out of patience (drain.daemon.pipeline): its last messages

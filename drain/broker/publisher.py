@@ -141,8 +141,7 @@ class Publisher(RefusalProbingLink):
         if undeclared:
             raise BrokerUnavailable(f"queues not declared yet: {sorted(undeclared)}")
         # Delivery tags count up from 1 per channel; this batch owns the next `count`.
-        batch = Batch(base=self._base_tag, status=bytearray(count), generation=self._generation,
-                      published_at=time.monotonic())
+        batch = Batch(base=self._base_tag, status=bytearray(count), generation=self._generation)
         self._base_tag += count
         self._inflight.append(batch)
         channel = self._channel
@@ -226,25 +225,18 @@ class Publisher(RefusalProbingLink):
                 self._inflight.remove(batch)
         return result
 
-    def silent_for(self, batch: Batch) -> float:
-        """Seconds since the broker last answered a message of ``batch``, or since it
-        became the oldest in flight, or since the broker lifted a block, whichever
-        came last (the confirm timeout runs from then, as it does for :meth:`wait`)."""
-        since = max(batch.oldest_at or batch.published_at, batch.answered_at, self.unblocked_at)
-        return time.monotonic() - since
-
     def give_up(self, batch: Batch) -> PublishResult:
         """End ``batch`` without the confirms still missing, after a whole confirm
-        timeout without one (:meth:`silent_for`): its unanswered rows stay staged, and
-        the connection starts afresh, so that no late ack is taken for another batch's."""
-        self._failure = self._failure or "abandoned a batch after the confirm timeout"
-        return self._end(batch, BrokerUnavailable(
-            f"broker at {self._display_url} confirmed {batch.resolved} of "
-            f"{len(batch.status)} messages, then none for {self._confirm_timeout:g}s"))
+        timeout without one (drain.daemon.confirms): its unanswered rows stay staged."""
+        return self._end(batch, self._abandon(batch, self._confirm_timeout))
 
-    @property
-    def confirm_timeout(self) -> float:
-        return self._confirm_timeout
+    def _abandon(self, batch: Batch, waited: float) -> BrokerUnavailable:
+        """No confirm for ``batch`` for ``waited`` seconds: the connection starts
+        afresh, so that no late ack is ever taken for another batch's."""
+        self._failure = self._failure or "abandoned a batch after the confirm timeout"
+        return BrokerUnavailable(
+            f"broker at {self._display_url} confirmed {batch.resolved} of "
+            f"{len(batch.status)} messages, then none for {waited:g}s")
 
     def _await(self, batch: Batch, timeout: float | None, until_blocked: bool,
                enough: Callable[[], bool] | None,
@@ -289,14 +281,7 @@ class Publisher(RefusalProbingLink):
             )
         if not finished and patience is not None:
             return None  # still in flight: the caller goes on without it
-        if not finished:
-            # Late acks must never be mistaken for another batch's: start afresh.
-            self._failure = "abandoned a batch after the confirm timeout"
-            return BrokerUnavailable(
-                f"broker at {self._display_url} confirmed {batch.resolved} of {n} messages, "
-                f"then none for {limit:g}s"
-            )
-        return None
+        return None if finished else self._abandon(batch, limit)
 
     def _end(self, batch: Batch, error: BrokerUnavailable | None) -> PublishResult:
         """The batch is over: what was not reported yet (drain.broker.batches)."""

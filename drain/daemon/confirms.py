@@ -89,33 +89,41 @@ class Confirms:
         goal = settled if everything else room
         try:
             while pending:
-                oldest = pending[0]
+                batch = oldest = pending[0]
                 oldest.oldest_at = oldest.oldest_at or time.monotonic()
                 if timeout is not None or any(r.error for r in results):
                     # Stopping, or the connection failed: what came before the end.
                     result = self._wait(oldest, timeout)
-                elif publisher.silent_for(oldest) > self.settings.confirm_timeout:
+                elif self._silent_for(oldest) > self.settings.confirm_timeout:
                     result = publisher.give_up(oldest)
                 elif goal():
                     break
                 elif time.monotonic() >= until:
                     if not everything:
                         break  # the next cycle goes on collecting before it fetches
-                    for batch in pending:  # out of patience: go on without them
-                        batch.lingered = batch.lingered or bool(batch.unresolved)
+                    for each in pending:  # out of patience: go on without them
+                        each.lingered = each.lingered or bool(each.unresolved)
                     continue
                 else:
-                    result = self._wait(
-                        next(b for b in pending if b.unresolved and not b.lingered)
-                        if everything else oldest, None, goal,
-                        min(until - time.monotonic(),
-                            self.settings.confirm_timeout - publisher.silent_for(oldest)))
+                    if everything:
+                        batch = next(b for b in pending if b.unresolved and not b.lingered)
+                    result = self._wait(batch, None, goal, min(
+                        until - time.monotonic(),
+                        self.settings.confirm_timeout - self._silent_for(oldest)))
                 if result is not None:
                     results.append(result)
-                    pending.remove(next(b for b in pending if b.done))
+                    pending.remove(batch)
         except BrokerBlocked:
             return  # in flight until the alarm clears: see _blocked
         self._harvest(pending, results)
+
+    def _silent_for(self, oldest: Batch) -> float:
+        """Seconds since the broker last answered a message of ``oldest``, or since it
+        became the oldest in flight, or since the broker lifted a block, whichever
+        came last: the confirm timeout runs from then, as it does for a whole wait
+        (drain.broker.publisher, ``Publisher.wait``)."""
+        since = max(oldest.oldest_at, oldest.answered_at, self._publisher.unblocked_at)
+        return time.monotonic() - since
 
     def _harvest(self, pending: list[Batch], results: list[PublishResult]) -> None:
         """What came meanwhile, of the batches still out."""
