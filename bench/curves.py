@@ -145,14 +145,14 @@ def queues(count: int, good: int) -> dict[str, Any]:
         names = [prefix] if count == 1 else [f"{prefix}_{i}" for i in range(count)]
         setup.callback(delete_queues, names)
         drain, raw = [], []
-        messages: list[Any] = []
-        staged = False  # the good jobs are in the table, waiting for the drain's turn
+        sql_stage(url, good, prefix, GOOD, queues=count)
+        messages = staged_messages(url)  # raw pika publishes these, each round
+        staged = True  # the good jobs are in the table, waiting for the drain's turn
         for round_, depth in enumerate(DEPTHS):
             for who in harness.turns(round_, ("drain", "raw")):
-                if not staged and (who == "drain" or not messages):
-                    sql_stage(url, good, prefix, GOOD, queues=count)
-                    messages, staged = messages or staged_messages(url), True
                 if who == "drain":
+                    if not staged:
+                        sql_stage(url, good, prefix, GOOD, queues=count)
                     drain.append(timed_drain(url, good, depth=depth))
                     assert staged_count(url) == 0, "bench_curves: the drain left rows staged"
                     staged = False

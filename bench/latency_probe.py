@@ -64,18 +64,15 @@ def drain_probe(argv: list[str]) -> int:
                                bool(method.multiple), type(method).__name__ == "Ack"))
         confirm_before(self, frame)
 
-    def wait(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-        t0 = now()
-        result = wait_before(self, batch, *args, **kwargs)
-        rec["wait"].append((t0, now(), len(batch.status)))
-        return result
-
-    def wait_some(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-        # The waits of drain.daemon.confirms: until enough is answered.
-        t0 = now()
-        result = wait_some_before(self, batch, *args, **kwargs)
-        rec["wait"].append((t0, now(), len(batch.status)))
-        return result
+    def timed_wait(before: Any) -> Any:
+        """``Publisher.wait`` or ``wait_some`` (drain.daemon.confirms: until enough is
+        answered), timed into ``rec["wait"]``."""
+        def wait(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+            t0 = now()
+            result = before(self, batch, *args, **kwargs)
+            rec["wait"].append((t0, now(), len(batch.status)))
+            return result
+        return wait
 
     @contextlib.contextmanager
     def batch(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -124,8 +121,8 @@ def drain_probe(argv: list[str]) -> int:
     Store.fetch = fetch  # type: ignore[method-assign]
     Publisher.start = start  # type: ignore[method-assign]
     Publisher._on_confirm = on_confirm  # type: ignore[method-assign]
-    Publisher.wait = wait  # type: ignore[method-assign]
-    Publisher.wait_some = wait_some  # type: ignore[method-assign]
+    Publisher.wait = timed_wait(wait_before)  # type: ignore[method-assign]
+    Publisher.wait_some = timed_wait(wait_some_before)  # type: ignore[method-assign]
     Store.batch = batch  # type: ignore[method-assign]
     Store.delete = delete  # type: ignore[method-assign]
     Store.wait = idle  # type: ignore[method-assign]
