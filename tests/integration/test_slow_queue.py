@@ -1,5 +1,5 @@
-"""A queue that does not confirm holds back only its own jobs (drain.daemon.pipeline,
-``Pipeline._collect``; issue 36).
+"""A queue that does not confirm holds back only its own jobs (drain.daemon.confirms,
+``Confirms.collect``; issue 36).
 
 The fault is real: the queue's own Erlang process on the test's RabbitMQ is
 suspended (``sys:suspend``), so the broker takes its messages and confirms none
