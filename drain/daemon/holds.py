@@ -126,19 +126,33 @@ class Holds:
     def hold(self, key: PauseKey, reason: str) -> None:
         """Pause ``key`` for a publish the broker would refuse or nack again at
         once. A pause ends when the queue can be declared, which says nothing
-        here: the backoff grows until a message to it is confirmed."""
+        here: the backoff grows until a message to it is confirmed.
+
+        A nack or return for a message published before ``key``'s pause began
+        (still in flight when the first came back) leaves that pause as it is:
+        the backoff grows only with each try after a pause ran out, not with
+        the size of the window in flight when a queue first nacked."""
+        if self._pausing(key):
+            return
         times = self.held[key] = self.held.get(key, 0) + 1
         self.pause(key, reason, times=times - 1)
 
     def retry(self, key: PauseKey, reason: str) -> None:
         """``key``'s publish was refused in a way a redeclare cures: publish again
         at once the first time, with backoff (as :meth:`hold`) when it comes again
-        before a message to ``key`` was confirmed."""
+        before a message to ``key`` was confirmed (a pause under way stands, as in
+        :meth:`hold`)."""
+        if self._pausing(key):
+            return
         times = self.held[key] = self.held.get(key, 0) + 1
         if times > 1:
             self.pause(key, reason, times=times - 2)
         else:
             self.say(reason, f"{reason}; declaring {key} again")
+
+    def _pausing(self, key: PauseKey) -> bool:
+        entry = self.paused.get(key)
+        return entry is not None and entry[0] > time.monotonic()
 
     def resume(self, keys: set[PauseKey]) -> None:
         for key in sorted(keys & set(self.paused)):

@@ -35,12 +35,21 @@ def test_a_pause_is_keyed_by_the_declared_queue_or_the_exchange_and_routing_key(
         "queue 'full'", "exchange 'a' routing key 'a.job'")
 
 
+def _run_out(held: holds.Holds, *keys: PauseKey) -> None:
+    """As if the keys' pauses had run out: their rows are published again."""
+    for key in keys:
+        if key in held.paused:
+            _until, times, reason = held.paused[key]
+            held.paused[key] = (0.0, times, reason)
+
+
 def test_a_confirm_resets_the_backoff_of_its_key_only() -> None:
     held = holds.Holds()
     full, other = PauseKey("full"), PauseKey("", "x", "k")
     for _ in range(3):
         held.hold(full, "nacked")
         held.hold(other, "refused")
+        _run_out(held, full, other)
     held.resume({full})
     held.confirmed({full})
     held.hold(full, "nacked")
@@ -59,12 +68,26 @@ def test_a_retry_publishes_again_at_once_then_backs_off_until_a_confirm(
     assert held.paused == {} and held.held == {key: 1}
     assert "declaring queue 'q' again" in caplog.text
     held.retry(key, "no exchange 'q'")  # again before a confirm: paused 1 s
+    _run_out(held, key)
     held.retry(key, "no exchange 'q'")  # and longer
     assert held.paused[key][1] == 2
     held.resume({key})
     held.confirmed({key})
     held.retry(key, "no exchange 'q'")
     assert held.paused == {} and held.held == {key: 1}
+
+
+def test_answers_for_what_was_in_flight_before_a_pause_do_not_lengthen_it() -> None:
+    """A queue that nacks a whole window at once (a quorum queue whose leader just
+    died: issue 37) is paused once, for 1 s, not doubled per batch to 30 s."""
+    held = holds.Holds()
+    key = PauseKey("quorum")
+    for _ in range(6):  # six batches in flight, each nacked
+        held.hold(key, "nacked")
+    assert held.paused[key][1] == 1 and held.held == {key: 1}
+    _run_out(held, key)
+    held.hold(key, "nacked")  # published again after the pause, nacked again
+    assert held.paused[key][1] == 2 and held.held == {key: 2}
 
 
 def test_rows_held_for_one_key_never_hold_back_another() -> None:
