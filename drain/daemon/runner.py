@@ -223,8 +223,15 @@ class Drain:
         if not self._store.holds_lock:
             self._try_lead()
         elif not self._publisher.connected:
-            # Lost between cycles (noticed while serving the connection): the batches
-            # in flight went with it, their rows stay staged (published again).
+            # Lost between cycles (noticed while serving the connection, or while a
+            # batch was written): said once, naming the broker that went, through the
+            # one broker-lost path (its batches go with it, their rows stay staged),
+            # before the next broker is tried.
+            try:
+                self._publisher.pump(0.0)
+            except BrokerUnavailable as exc:
+                self._broker_lost(exc)
+                return
             self.pipeline.forget()
             self._connect_broker()
         else:
