@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -62,10 +61,14 @@ from drain.broker.batches import Batch, PublishResult, report
 from drain.broker.broker_list import BrokerList
 from drain.broker.outgoing import Message
 from drain.broker.queue_declare import QueueSpec
-from drain.broker.refusal import ACKED, NACKED, RESOLVED, RETURNED, Refusal, RefusalProbingLink
+from drain.broker.refusal import ACKED, RESOLVED, RETURNED, Refusal, RefusalProbingLink
+from drain.broker.window import Window
 from drain.errors import BrokerBlocked, BrokerUnavailable, QueueDeclareRefused
 
 log = logging.getLogger("drain.publisher")
+#: How long the next batch waits for the last answers on a channel that nacked,
+#: before it goes on a new one (:meth:`Publisher._renew`); seconds.
+RENEW_WAIT = 0.25
 
 class Publisher(RefusalProbingLink):
     """One AMQP connection and one confirm-mode channel."""
@@ -89,26 +92,26 @@ class Publisher(RefusalProbingLink):
         #: Called while a wait for confirms goes on past the confirm timeout because
         #: confirms still come (:meth:`wait`): the drain's loop is not stuck.
         self.on_progress: Callable[[], None] | None = None
-        # Batches published and not yet waited for, oldest first.
-        self._inflight: list[Batch] = []
+        #: Batches published and not yet handed back, and the answers to them.
+        self._window = Window()
         self._generation = 0
-        self._base_tag = 0
-        self._low = 1
-        #: The highest delivery tag any ack or nack has named on this channel.
-        self._confirmed_up_to = 0
         #: The broker closed the publishing channel (drain.broker.refusal): its reply.
         self._refusal: str | None = None
+        #: The broker nacked a message on the publishing channel: the next batch goes
+        #: out on a new one (:meth:`_renew`).
+        self._nacked = False
+        #: Publishing channels replaced by :meth:`_renew`, until their close is confirmed.
+        self._retired: list[Any] = []
 
     # -- connection (drain.broker.amqp_link opens, closes and turns it) -----------------
 
     def _new_connection(self) -> None:
         super()._new_connection()
-        self._inflight = []
-        self._base_tag = 0
-        self._low = 1
-        self._confirmed_up_to = 0
+        self._window = Window()
         self._generation += 1
         self._refusal = None
+        self._nacked = False
+        self._retired = []
 
     def _prepare_channel(self, channel: Any) -> None:
         channel.add_on_return_callback(self._on_return)
@@ -137,13 +140,14 @@ class Publisher(RefusalProbingLink):
             self._recover()  # the new batch's tags count on the new channel
             self._raise_if_failed()
             self.declare(queues)  # a queue it forgot (drain.broker.refusal, "retry")
+        if self._nacked:
+            self._renew()
+            self._raise_if_failed()
         undeclared = queues - self._declared
         if undeclared:
             raise BrokerUnavailable(f"queues not declared yet: {sorted(undeclared)}")
         # Delivery tags count up from 1 per channel; this batch owns the next `count`.
-        batch = Batch(base=self._base_tag, status=bytearray(count), generation=self._generation)
-        self._base_tag += count
-        self._inflight.append(batch)
+        batch = self._window.open(count, self._generation)
         channel = self._channel
         # pika sends each frame with its own send(): hold the batch's frames back and
         # write them joined into a few chunks (drain.broker.corked).
@@ -168,10 +172,8 @@ class Publisher(RefusalProbingLink):
         sent = len(batch.messages)
         if sent < count:
             # Fewer went out than announced (``messages`` skipped some, or the
-            # channel failed): the next batch's tags start right after these.
-            # No confirm can have arrived yet: the I/O loop has not turned.
-            del batch.status[sent:]
-            self._base_tag = batch.base + sent
+            # channel failed).
+            self._window.sent(batch, sent)
         # pika only writes when its I/O loop turns: send the batch now, not when
         # the next cycle waits for confirms (measured: ~2 ms of latency per job).
         if sent:
@@ -183,7 +185,7 @@ class Publisher(RefusalProbingLink):
 
         Late confirms for them are ignored: delivery tags are never reused.
         """
-        self._inflight = []
+        self._window.batches = []
 
     def wait(
         self, batch: Batch, timeout: float | None = None, *, until_blocked: bool = False
@@ -221,8 +223,7 @@ class Publisher(RefusalProbingLink):
             return None
         result = report(batch, answered_only=True)
         if batch.done:
-            with contextlib.suppress(ValueError):
-                self._inflight.remove(batch)
+            self._window.remove(batch)
         return result
 
     def give_up(self, batch: Batch) -> PublishResult:
@@ -252,10 +253,20 @@ class Publisher(RefusalProbingLink):
         def done() -> bool:
             return (batch.resolved >= n or self._failure is not None
                     or self._refusal is not None or (until_blocked and self.blocked is not None)
-                    or (enough is not None and enough()))
+                    or (enough is not None and enough()) or self._nacked)
+
+        def turn() -> bool:
+            finished = self._run_until(done, limit)
+            if (self._nacked and batch.resolved < n and self._failure is None
+                    and self._refusal is None):
+                # A channel that nacks may hold the rest for seconds each (a quorum
+                # queue it met without a leader): it goes now, not after the window.
+                self._renew()
+                finished = batch.resolved >= n or self._run_until(done, limit)
+            return finished
 
         seen = batch.resolved
-        finished = current and self._run_until(done, limit)
+        finished = current and turn()
         # A broker that confirms slowly has not stopped (thousands of queues, each
         # writing its own messages, confirm a few dozen a second): the batch is given
         # up only after a whole confirm timeout without a confirm for it.
@@ -264,7 +275,7 @@ class Publisher(RefusalProbingLink):
             seen = batch.resolved
             if self.on_progress is not None:
                 self.on_progress()
-            finished = self._run_until(done, limit)
+            finished = turn()
         if current and self._refusal is not None:
             self._recover()  # resolves every message published on the refused channel
             finished = batch.resolved >= n or self._run_until(done, limit)
@@ -285,8 +296,7 @@ class Publisher(RefusalProbingLink):
 
     def _end(self, batch: Batch, error: BrokerUnavailable | None) -> PublishResult:
         """The batch is over: what was not reported yet (drain.broker.batches)."""
-        with contextlib.suppress(ValueError):
-            self._inflight.remove(batch)
+        self._window.remove(batch)
         return report(batch, error)
 
     def publish(self, messages: Sequence[Message]) -> PublishResult:
@@ -302,41 +312,15 @@ class Publisher(RefusalProbingLink):
     # -- pika callbacks ----------------------------------------------------------
 
     def _on_return(self, _channel: Any, method: Any, properties: Any, _body: bytes) -> None:
-        """Flag the publish this return is for (see the module's docstring)."""
-        task_id = str(properties.correlation_id)
-        routing_key = method.routing_key
-        exchange = method.exchange
-        above = self._confirmed_up_to
-        for batch in self._inflight:
-            if batch.generation != self._generation or batch.base + len(batch.status) <= above:
-                continue
-            for i in range(max(above - batch.base, 0), len(batch.messages)):
-                m = batch.messages[i]
-                if (m.task_id == task_id and m.routing_key == routing_key
-                        and m.exchange == exchange):
-                    batch.status[i] |= RETURNED
+        self._window.on_return(str(properties.correlation_id), method.routing_key,
+                               method.exchange, self._generation)
 
     def _on_confirm(self, frame: Any) -> None:
         method = frame.method
-        tag = method.delivery_tag
-        status = ACKED if isinstance(method, pika.spec.Basic.Ack) else NACKED
-        first = self._low if method.multiple else tag
-        self._confirmed_up_to = max(self._confirmed_up_to, tag)
-        now = time.monotonic()
-        for batch in self._inflight:
-            size = len(batch.status)
-            if batch.base >= tag:
-                break
-            if batch.base + size < first:
-                continue
-            statuses = batch.status
-            batch.answered_at = now
-            for i in range(max(first - batch.base - 1, 0), min(tag - batch.base, size)):
-                if not statuses[i] & RESOLVED:
-                    statuses[i] |= status
-                    batch.resolved += 1
-        if method.multiple:
-            self._low = max(self._low, tag + 1)
+        acked = isinstance(method, pika.spec.Basic.Ack)
+        if not acked:
+            self._nacked = True
+        self._window.on_confirm(method.delivery_tag, method.multiple, acked)
         self._wake()
 
     # -- a publish the broker refused (drain.broker.refusal) ------------------------------
@@ -365,7 +349,7 @@ class Publisher(RefusalProbingLink):
         refused), unless the connection fails meanwhile (then ``_failure`` is set
         and the unresolved ones stay staged, as when a connection is lost)."""
         reply, self._refusal = self._refusal, None
-        batches = [b for b in self._inflight if b.generation == self._generation]
+        batches = self._window.of(self._generation)
         suspects: list[tuple[Batch, int]] = []
         for batch in batches:
             for i in range(len(batch.messages)):
@@ -391,13 +375,53 @@ class Publisher(RefusalProbingLink):
         self.probe([batch.messages[i] for batch, i in suspects], resolve)
         # Delivery tags count from 1 again on the new channel: no batch of the old
         # one may take its confirms.
-        self._inflight = [b for b in self._inflight if b not in batches]
-        self._base_tag = 0
-        self._low = 1
-        self._confirmed_up_to = 0
+        self._window.leave_channel(self._generation)
         self._reopen()
 
-    def _reopen(self) -> None:
+    def _renew(self) -> None:
+        """After a nack: publish the next batch on a new channel, once every message
+        of the current one is answered (waiting up to :data:`RENEW_WAIT` for that;
+        those still unanswered then are given up, DROPPED: their rows stay staged
+        and go out again, with the same task ids).
+
+        A nack means the queue did not take the message: a full queue with
+        ``x-overflow: reject-publish``, or a quorum queue without a leader. On
+        RabbitMQ 3.10 a channel opened just after a quorum queue's leader died
+        gets every publish to that queue nacked until the dead node returns, while
+        a new channel gets acks as soon as a new leader is elected (issue 37,
+        measured on a three-node cluster). So the nacked rows, published again
+        once their queue's hold runs out (drain.daemon.holds), go on a channel
+        that has not nacked: a queue that is really full nacks there too and
+        stays held. Such a channel answers a publish to that queue only after
+        5 s (a nack), so a wait for every answer on it would never end while
+        batches flow; after :data:`RENEW_WAIT` (healthy queues' confirms take
+        milliseconds) what is left unanswered is given up, as when a connection
+        is lost. The old channel is closed: no late answer of it can be taken
+        for one of the new channel, whose delivery tags count from 1 again."""
+        if self._failure is not None:
+            return
+        if not self._run_until(self._channel_answered, RENEW_WAIT):
+            self._window.drop_unanswered(self._generation)
+        self._nacked = False
+        old = self._channel
+        self._window.leave_channel(self._generation)
+        if old is not None:
+            self._retired.append(old)
+            with contextlib.suppress(Exception):
+                old.close()
+        self._reopen("no new channel in time after a nack")
+
+    def _channel_answered(self) -> bool:
+        """Every message published on the current channel was answered."""
+        return self._failure is not None or self._window.answered(self._generation)
+
+    def _on_channel_closed(self, channel: Any, exc: BaseException) -> None:
+        if any(channel is old for old in self._retired):
+            self._retired = [old for old in self._retired if old is not channel]
+            return  # closed by _renew, on purpose
+        super()._on_channel_closed(channel, exc)
+
+    def _reopen(self, failure: str = "no new channel in time after a refused publish") -> None:
         """Open a new publishing channel on the same connection (or fail the link)."""
         conn = self._conn
         if conn is None or self._failure is not None:
@@ -406,4 +430,4 @@ class Publisher(RefusalProbingLink):
         conn.channel(on_open_callback=self._on_channel_open)
         if not self._run_until(lambda: self._ready or self._failure is not None,
                                self._connect_timeout):
-            self._failure = self._failure or "no new channel in time after a refused publish"
+            self._failure = self._failure or failure

@@ -55,9 +55,12 @@ from drain.broker.queue_declare import QueueDeclaringLink
 
 #: A message's status in its batch: pending until acked or nacked; RETURNED is
 #: a flag set by a basic.return (before the ack that resolves it); REFUSED: its
-#: publish closed the channel (see :class:`Refusal`).
-PENDING, ACKED, NACKED, RETURNED, REFUSED = 0, 1, 2, 4, 8
-RESOLVED = ACKED | NACKED | REFUSED
+#: publish closed the channel (see :class:`Refusal`); DROPPED: it went out on a
+#: channel the publisher gave up before the broker answered (its row stays
+#: staged, as when a connection is lost; drain.broker.publisher, ``_renew``).
+#: 16 is drain.broker.batches' REPORTED.
+PENDING, ACKED, NACKED, RETURNED, REFUSED, DROPPED = 0, 1, 2, 4, 8, 32
+RESOLVED = ACKED | NACKED | REFUSED | DROPPED
 
 #: Reply codes that say what is wrong with the message itself: dead-lettered.
 DEAD_CODES = frozenset({404, 406})

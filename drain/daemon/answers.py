@@ -56,9 +56,12 @@ class Answers:
             log.warning("broker nacked %d message(s); their rows stay staged", result.nacked)
         for key in sorted(result.nacked_keys):
             # Nacked again if published again at once (a full queue with
-            # x-overflow reject-publish): with backoff, not in a loop.
+            # x-overflow reject-publish): with backoff, not in a loop. A quorum
+            # queue without a leader nacks too; the publisher sends the next
+            # try on a new channel (drain.broker.publisher, Publisher._renew).
             holds.hold(key, f"the broker nacks messages to {key} (full, with x-overflow "
-                            "reject-publish?); their rows stay staged")
+                            "reject-publish, or a quorum queue electing a leader?); "
+                            "their rows stay staged")
         holds.confirmed(confirmed - self._refused(result) - result.nacked_keys)
 
     def _refused(self, result: PublishResult) -> set[PauseKey]:

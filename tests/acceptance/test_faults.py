@@ -784,7 +784,7 @@ def test_postgres_losses_do_not_leak_in_flight_batches(db_url: str, queue: str) 
         support.wait_for(lambda: _lock_holder(db_url) is not None and not running.pipeline.inflight
                          and support.staged_count(db_url) == 0, 300,
                          "an idle, leading drain after the Postgres cuts")
-        held = list(running._publisher._inflight)
+        held = list(running._publisher._window.batches)
     finally:
         running.stop()
         thread.join(30)

@@ -1,0 +1,115 @@
+"""The batches in flight on one publishing channel, and the broker's answers to them.
+
+:class:`Window` is where :class:`drain.broker.publisher.Publisher` keeps what it
+has published and not yet handed back: each batch owns a run of the channel's
+delivery tags (they count from 1 per channel), and every ``basic.ack``,
+``basic.nack`` and ``basic.return`` is matched here to the messages it is for
+(the module docstring of drain.broker.publisher says how a return is matched).
+The publisher writes, turns the I/O loop and decides what to do with a channel;
+the window only counts.
+
+A batch carries the generation of the connection it went out on: what the
+window holds of an older connection is never answered again (its channel went
+with it), and is not matched against the new one's answers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from drain.broker.batches import Batch
+from drain.broker.refusal import ACKED, DROPPED, NACKED, RESOLVED, RETURNED
+
+
+class Window:
+    """The batches in flight, oldest first, and the current channel's tag counters."""
+
+    def __init__(self) -> None:
+        self.batches: list[Batch] = []
+        #: The delivery tag of the current channel's last message published.
+        self.base_tag = 0
+        #: The lowest tag a ``multiple`` answer may still cover.
+        self.low = 1
+        #: The highest delivery tag any ack or nack has named on this channel.
+        self.confirmed_up_to = 0
+
+    def new_channel(self) -> None:
+        """Tags count from 1 again: on a new channel, or a new connection."""
+        self.base_tag = 0
+        self.low = 1
+        self.confirmed_up_to = 0
+
+    def open(self, count: int, generation: int) -> Batch:
+        """A new batch owning the next ``count`` delivery tags."""
+        batch = Batch(base=self.base_tag, status=bytearray(count), generation=generation)
+        self.base_tag += count
+        self.batches.append(batch)
+        return batch
+
+    def sent(self, batch: Batch, sent: int) -> None:
+        """Only ``sent`` of the batch's messages went out: the next batch's tags start
+        right after them (no answer can have come yet: the I/O loop has not turned)."""
+        del batch.status[sent:]
+        self.base_tag = batch.base + sent
+
+    def remove(self, batch: Batch) -> None:
+        with contextlib.suppress(ValueError):
+            self.batches.remove(batch)
+
+    def of(self, generation: int) -> list[Batch]:
+        """The batches published on the current connection."""
+        return [b for b in self.batches if b.generation == generation]
+
+    def leave_channel(self, generation: int) -> None:
+        """The current channel is replaced: its batches (all answered, or given up)
+        leave the window, so that none takes an answer of the new channel."""
+        self.batches = [b for b in self.batches if b.generation != generation]
+        self.new_channel()
+
+    def answered(self, generation: int) -> bool:
+        """Every message published on the current channel was answered."""
+        return all(b.resolved >= len(b.status) for b in self.of(generation))
+
+    def drop_unanswered(self, generation: int) -> None:
+        """Give up the current channel's messages the broker has not answered:
+        DROPPED, their rows stay staged (drain.broker.refusal's statuses)."""
+        for batch in self.of(generation):
+            for i, status in enumerate(batch.status):
+                if not status & RESOLVED:
+                    batch.status[i] |= DROPPED
+                    batch.resolved += 1
+
+    def on_return(self, task_id: str, routing_key: str, exchange: str,
+                  generation: int) -> None:
+        """Flag the publish a ``basic.return`` is for (drain.broker.publisher's docstring)."""
+        above = self.confirmed_up_to
+        for batch in self.batches:
+            if batch.generation != generation or batch.base + len(batch.status) <= above:
+                continue
+            for i in range(max(above - batch.base, 0), len(batch.messages)):
+                m = batch.messages[i]
+                if (m.task_id == task_id and m.routing_key == routing_key
+                        and m.exchange == exchange):
+                    batch.status[i] |= RETURNED
+
+    def on_confirm(self, tag: int, multiple: bool, acked: bool) -> None:
+        """An ack (``acked``) or a nack for ``tag``, or for every tag up to it."""
+        status = ACKED if acked else NACKED
+        first = self.low if multiple else tag
+        self.confirmed_up_to = max(self.confirmed_up_to, tag)
+        now = time.monotonic()
+        for batch in self.batches:
+            size = len(batch.status)
+            if batch.base >= tag:
+                break
+            if batch.base + size < first:
+                continue
+            statuses = batch.status
+            batch.answered_at = now
+            for i in range(max(first - batch.base - 1, 0), min(tag - batch.base, size)):
+                if not statuses[i] & RESOLVED:
+                    statuses[i] |= status
+                    batch.resolved += 1
+        if multiple:
+            self.low = max(self.low, tag + 1)
