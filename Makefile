@@ -13,6 +13,8 @@
 #                   minute or two, for the edit-test loop. make test stays the full suite
 #   make test-unit  only tests/unit (needs no services)
 #   make test-spark-cluster  the spark_cluster tests: a standalone Spark cluster (not in make test)
+#   make test-rabbit-cluster  the rabbit_cluster tests: a three-node RabbitMQ cluster with quorum
+#                   queues, node faults (not in make test; docs/rabbitmq_cluster.md)
 #   make lint       ruff check, mypy --strict and make docs
 #   make docs       the guides in docs/ as a site (build/site), mkdocs in strict mode: a broken
 #                   link or anchor fails it (tests/docs/test_links.py checks the README's)
@@ -29,6 +31,8 @@
 #                   mid-backfill; a 10M-row reconcile --stage (BENCH_SPARK_ARGS="--rows 1000000"
 #                   for less; writes bench/results/spark.json); then what a resume of one
 #                   missing partition costs (bench/bench_spark_resume.py)
+#   make bench-cluster  throughput into a 3-node quorum queue vs a single-node classic queue
+#                   vs raw pika into the same quorum queue (bench/bench_cluster.py)
 #   make bench-smoke  every benchmark's --smoke mode, one after another: tiny sizes, seconds
 #                   each, no figures; checks they still work (make test runs them too, in
 #                   tests/bench); each writes bench/results/<name>-smoke.json
@@ -60,10 +64,11 @@ PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 FAST_WORKERS ?= 4
 
 .PHONY: venv demo-venv services demo test test-fast test-unit test-spark-cluster lint docs
+.PHONY: test-rabbit-cluster
 .PHONY: soak soak-interleavings clean
 .PHONY: bench bench-throughput bench-latency bench-mvcc bench-memory bench-lanes bench-priority
 .PHONY: bench-staging bench-crashes bench-paused bench-piles bench-curves
-.PHONY: bench-profile bench-spark bench-deps bench-smoke
+.PHONY: bench-profile bench-spark bench-deps bench-smoke bench-cluster
 
 venv: $(STAMP)
 
@@ -105,9 +110,10 @@ define run_tests
 	  exit $$status; }
 endef
 
-# The spark_cluster tests (a standalone Spark cluster, minutes) run in test-spark-cluster.
+# The spark_cluster tests (a standalone Spark cluster, minutes) run in test-spark-cluster,
+# the rabbit_cluster ones (three RabbitMQ nodes) in test-rabbit-cluster.
 test: services venv
-	$(call run_tests,$(PARALLEL) -m 'not spark_cluster' $(ARGS))
+	$(call run_tests,$(PARALLEL) -m 'not spark_cluster and not rabbit_cluster' $(ARGS))
 
 test-fast: services venv
 	$(call run_tests,-n $(FAST_WORKERS) --dist loadgroup -m fast tests/unit tests/integration $(ARGS))
@@ -118,6 +124,12 @@ test-fast: services venv
 # driver), and two at once on 2 cores would starve the executors the tests time and kill.
 test-spark-cluster: services venv
 	$(call run_tests,-m spark_cluster tests/spark_cluster $(ARGS))
+
+# drain run --app against a three-node RabbitMQ cluster it starts (quorum queues; nodes
+# killed, frozen, cut off with iptables and restarted; tests/rabbit_cluster). In one process:
+# one cluster for the module, ~10 minutes. Needs root (iptables) and Debian's RabbitMQ.
+test-rabbit-cluster: services venv
+	$(call run_tests,-m rabbit_cluster tests/rabbit_cluster $(ARGS))
 
 test-unit: venv
 	$(call run_tests,tests/unit $(ARGS))
@@ -187,6 +199,11 @@ bench-profile: services bench-deps
 	$(BIN)/python bench/bench_throughput.py --profile
 
 BENCH_SPARK_ARGS ?=
+
+# drain and raw pika into a quorum queue on a three-node RabbitMQ cluster it starts, and the
+# drain into a classic queue on the single node (bench/bench_cluster.py; needs root).
+bench-cluster: services bench-deps
+	$(BIN)/python bench/bench_cluster.py $(BENCH_CLUSTER_ARGS)
 
 bench-spark: services venv
 	$(BIN)/python bench/bench_spark.py $(BENCH_SPARK_ARGS)

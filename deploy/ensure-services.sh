@@ -346,4 +346,21 @@ else
         "tests will skip"
 fi
 
+# -- iptables (tests/rabbit_cluster, make test-rabbit-cluster): Debian's iptables ---------
+# Optional: never fails this script; the three-node RabbitMQ cluster tests cut one node off
+# with it (a partition), and skip without it, saying why.
+if command -v iptables >/dev/null; then
+    say "iptables: $(iptables --version 2>/dev/null | head -n 1)"
+elif can_apt_install; then
+    say "iptables: missing; installing Debian's iptables package with apt-get"
+    if apt_install iptables && command -v iptables >/dev/null; then
+        say "iptables: installed $(iptables --version 2>/dev/null | head -n 1)"
+    else
+        say "iptables: apt-get install iptables failed; the cluster tests will skip"
+    fi
+else
+    say "iptables: MISSING (install Debian's iptables package as root); the cluster tests" \
+        "will skip"
+fi
+
 exit "$status"
