@@ -104,10 +104,11 @@ RAW = "raw pika, pipelined confirms (window 1000)"
 ENCODED = "raw pika, pre-encoded properties (as the drain)"
 CELERY = "celery send_task, confirm_publish=True"
 def raw_pika(messages: list[Message], *, pre_encoded: bool = False,
-             window: int = WINDOW, routed_to: str = "") -> float:
+             window: int = WINDOW, routed_to: str = "", broker: str = BROKER_URL) -> float:
     """Publish with a sliding window of ``window`` unconfirmed messages; returns seconds.
     ``routed_to``: through that direct exchange to its queue (:func:`declare_routed`),
-    as the --app rounds publish, instead of the default exchange.
+    as the --app rounds publish, instead of the default exchange. ``broker``: another
+    broker's URL than the bench's (bench_cluster: a node of a cluster).
 
     ``pre_encoded`` hands pika the drain's precomputed property bytes instead of
     letting pika encode ``BasicProperties`` itself: the same wire bytes with less
@@ -153,7 +154,7 @@ def raw_pika(messages: list[Message], *, pre_encoded: bool = False,
         channel.confirm_delivery(on_confirm, callback=on_selectok)
 
     conn = SelectConnection(
-        broker_parameters(BROKER_URL),
+        broker_parameters(broker),
         on_open_callback=lambda c: c.channel(on_open_callback=on_channel),
         on_close_callback=lambda c, e: c.ioloop.stop(),
     )

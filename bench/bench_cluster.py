@@ -1,0 +1,138 @@
+"""Throughput into a quorum queue on a three-node RabbitMQ cluster (issue 37).
+
+In one run, on the cluster tests/rabbit_cluster/cluster.py starts (three
+nodes on this machine) and the machine's own single node:
+
+* the drain into a quorum queue on the cluster (through its first node, which
+  leads the queue), at batch size x pipeline 1000 x 4 and 1000 x 8;
+* the drain into a classic queue on the single node, at the same depths;
+* raw pika publishing the drain's exact messages to the same quorum queue,
+  with confirm windows of 4,000 and 8,000 (the same messages in flight).
+
+Each variant runs ``--rounds`` times, in turns; the best of each is compared:
+quorum / classic (what replication costs the drain) and drain / raw pika on
+the quorum queue (the goal: >= 0.9). Writes bench/results/cluster.json. Needs
+root (the cluster's nodes) and Debian's RabbitMQ: ``make bench-cluster``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import harness
+import pika
+import psycopg
+from bench_throughput import raw_pika, staged_messages
+from curves import sql_stage
+from harness import BROKER_URL
+
+from drain.daemon.runner import Drain
+from drain.settings.config import Settings
+from tests.rabbit_cluster import cluster as rabbit
+
+DEPTHS = ((1000, 4), (1000, 8))
+TASK = "bench.cluster"
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def drain_seconds(url: str, broker: str, n: int, depth: tuple[int, int]) -> float:
+    batch_size, pipeline = depth
+    runner = Drain(Settings(database_url=url, broker_url=broker, batch_size=batch_size,
+                            pipeline=pipeline, queue_declare="passive"))
+    started = time.perf_counter()
+    with harness.running(runner) as thread:
+        def done() -> bool:
+            if not thread.is_alive():
+                raise SystemExit("bench_cluster: the drain stopped")
+            return runner.published >= n
+
+        harness.wait_until(done, 600, "bench_cluster: the drain published every job",
+                           interval=0.002)
+        return time.perf_counter() - started
+
+
+def purge(host: str, port: int, queue: str) -> None:
+    conn = pika.BlockingConnection(pika.ConnectionParameters(host, port))
+    try:
+        conn.channel().queue_purge(queue)
+    finally:
+        conn.close()
+
+
+def declare(host: str, port: int, queue: str, quorum: bool) -> None:
+    conn = pika.BlockingConnection(pika.ConnectionParameters(host, port))
+    try:
+        conn.channel().queue_declare(
+            queue, durable=True, arguments={"x-queue-type": "quorum"} if quorum else None)
+    finally:
+        conn.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=50_000)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    n = args.jobs
+    with tempfile.TemporaryDirectory(prefix="bench-rabbit-cluster-") as root, \
+            rabbit.running(Path(root)) as cluster, harness.Setup("cluster") as setup:
+        first = cluster.nodes[0]
+        url = setup.database()
+        quorum = f"bench_cluster_quorum_{setup.tag}"
+        declare(first.address, first.port, quorum, quorum=True)
+        classic = setup.queue("classic")
+        single = urlsplit(BROKER_URL)
+        sql_stage(url, n, quorum, TASK)
+        messages = staged_messages(url)  # what raw pika publishes
+        with psycopg.connect(url) as conn:
+            conn.execute("DELETE FROM staged_jobs")
+        seconds: dict[str, list[float]] = {}
+        for round_ in range(args.rounds):
+            variants = [("drain_quorum", d) for d in DEPTHS] + [
+                ("drain_classic", d) for d in DEPTHS] + [
+                ("raw_quorum", (w, 1)) for w in (4000, 8000)]
+            for who, depth in harness.turns(round_, variants):
+                key = f"{who}_{depth[0] * depth[1]}"
+                if who == "raw_quorum":
+                    took = raw_pika(messages, pre_encoded=True, window=depth[0],
+                                    broker=first.url)
+                    purge(first.address, first.port, quorum)
+                elif who == "drain_quorum":
+                    sql_stage(url, n, quorum, TASK)
+                    took = drain_seconds(url, first.url, n, depth)
+                    purge(first.address, first.port, quorum)
+                else:
+                    sql_stage(url, n, classic, TASK)
+                    took = drain_seconds(url, BROKER_URL, n, depth)
+                    purge(single.hostname or "127.0.0.1", single.port or 5672, classic)
+                seconds.setdefault(key, []).append(took)
+                print(f"  {key}: {n / took:,.0f} jobs/s", flush=True)
+    rates = {key: n / min(values) for key, values in seconds.items()}
+    best = {who: max(r for k, r in rates.items() if k.startswith(who))
+            for who in ("drain_quorum", "drain_classic", "raw_quorum")}
+    result = {
+        "jobs": n, "rates": rates, "best": best,
+        "quorum_vs_classic": best["drain_quorum"] / best["drain_classic"],
+        "drain_vs_raw_quorum": best["drain_quorum"] / best["raw_quorum"],
+        "same_window": {str(w): rates[f"drain_quorum_{w}"] / rates[f"raw_quorum_{w}"]
+                        for w in (4000, 8000)},
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "cluster.json").write_text(json.dumps(result, indent=2))
+    print(f"drain into a 3-node quorum queue: {best['drain_quorum']:,.0f} jobs/s; "
+          f"into a single-node classic queue: {best['drain_classic']:,.0f} "
+          f"({result['quorum_vs_classic']:.2f} x); raw pika into the quorum queue: "
+          f"{best['raw_quorum']:,.0f} (drain {result['drain_vs_raw_quorum']:.2f} x; "
+          "same window: " + ", ".join(f"{w}: {r:.2f} x"
+                                       for w, r in result["same_window"].items()) + ")")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
