@@ -282,23 +282,29 @@ else
         "tests will skip"
 fi
 
+# optional_command COMMAND PACKAGE WHAT: say COMMAND's version, or install Debian's PACKAGE
+# when root can; never fails this script (WHAT, the tests that need it, skip without it).
+optional_command() {
+    local command=$1 package=$2 what=$3
+    if command -v "$command" >/dev/null; then
+        say "$command: $("$command" --version 2>/dev/null | head -n 1)"
+    elif can_apt_install; then
+        say "$command: missing; installing Debian's $package package with apt-get"
+        if apt_install "$package" && command -v "$command" >/dev/null; then
+            say "$command: installed $("$command" --version 2>/dev/null | head -n 1)"
+        else
+            say "$command: apt-get install $package failed; $what will skip"
+        fi
+    else
+        say "$command: MISSING (install Debian's $package package as root); $what will skip"
+    fi
+}
+
 # -- chromium (tests/acceptance/test_status_page.py): Debian's chromium, run headless -------
 # Optional: never fails this script; without it the status page test skips, saying why (and
 # fails under CI=true where root could have installed it). Its fonts come with it
 # (fontconfig-config depends on fonts-dejavu-core or another font package).
-if command -v chromium >/dev/null; then
-    say "chromium: $(chromium --version 2>/dev/null | head -n 1)"
-elif can_apt_install; then
-    say "chromium: missing; installing Debian's chromium package with apt-get"
-    if apt_install chromium && command -v chromium >/dev/null; then
-        say "chromium: installed $(chromium --version 2>/dev/null | head -n 1)"
-    else
-        say "chromium: apt-get install chromium failed; the status page test will skip"
-    fi
-else
-    say "chromium: MISSING (install Debian's chromium package as root); the status page" \
-        "test will skip"
-fi
+optional_command chromium chromium "the status page test"
 
 # -- pgbouncer (tests/acceptance/test_pgbouncer.py): Debian's pgbouncer package ------------
 # Optional: never fails this script; without it those tests skip, saying why (and fail under
@@ -349,18 +355,6 @@ fi
 # -- iptables (tests/rabbit_cluster, make test-rabbit-cluster): Debian's iptables ---------
 # Optional: never fails this script; the three-node RabbitMQ cluster tests cut one node off
 # with it (a partition), and skip without it, saying why.
-if command -v iptables >/dev/null; then
-    say "iptables: $(iptables --version 2>/dev/null | head -n 1)"
-elif can_apt_install; then
-    say "iptables: missing; installing Debian's iptables package with apt-get"
-    if apt_install iptables && command -v iptables >/dev/null; then
-        say "iptables: installed $(iptables --version 2>/dev/null | head -n 1)"
-    else
-        say "iptables: apt-get install iptables failed; the cluster tests will skip"
-    fi
-else
-    say "iptables: MISSING (install Debian's iptables package as root); the cluster tests" \
-        "will skip"
-fi
+optional_command iptables iptables "the cluster tests"
 
 exit "$status"
