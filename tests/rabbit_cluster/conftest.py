@@ -12,7 +12,6 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -45,10 +44,9 @@ def whole(cluster: rabbit.Cluster) -> Iterator[rabbit.Cluster]:
 
 
 @pytest.fixture
-def scenario(whole: rabbit.Cluster, db_url: str, spawn: Any,
-             tmp_path: Path) -> Iterator[Scenario]:
+def scenario(whole: rabbit.Cluster, db_url: str, spawn: Any) -> Iterator[Scenario]:
     queue = f"cluster_{uuid.uuid4().hex[:10]}"
-    run = Scenario(whole, db_url, queue, spawn, tmp_path)
+    run = Scenario(whole, db_url, queue, spawn)
     try:
         yield run
     finally:
