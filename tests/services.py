@@ -167,7 +167,13 @@ class Vhost:
         for name in names:  # left by runs whose pytest process is gone
             match = re.fullmatch(rf"{PREFIX}_(\d+)_\w+", name)
             if match and not _alive(int(match.group(1))):
-                with contextlib.suppress(RuntimeError):
+                with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                    # A run killed mid-test may have left a queue process suspended
+                    # (tests/integration/test_slow_queue.py): it would hold the delete
+                    # forever. Resuming one that is not suspended does nothing.
+                    machine.rabbitmqctl(
+                        "eval", "[catch sys:resume(amqqueue:get_pid(Q), 2000) || Q <- "
+                        f'rabbit_amqqueue:list(<<"{name}">>)].')
                     machine.rabbitmqctl("delete_vhost", name)
         vhost = cls(f"{PREFIX}_{os.getpid()}_{uuid.uuid4().hex[:8]}")
         machine.rabbitmqctl("add_vhost", vhost.name)
