@@ -100,7 +100,7 @@ class Publisher(RefusalProbingLink):
         #: The broker nacked a message on the publishing channel: the next batch goes
         #: out on a new one (:meth:`_renew`).
         self._nacked = False
-        #: Publishing channels replaced by :meth:`_renew`, until their close is confirmed.
+        #: Publishing channels replaced by :meth:`_reopen`, until their close is confirmed.
         self._retired: list[Any] = []
 
     # -- connection (drain.broker.amqp_link opens, closes and turns it) -----------------
@@ -373,10 +373,7 @@ class Publisher(RefusalProbingLink):
                 batch.refusals[i] = refusal
 
         self.probe([batch.messages[i] for batch, i in suspects], resolve)
-        # Delivery tags count from 1 again on the new channel: no batch of the old
-        # one may take its confirms.
-        self._window.leave_channel(self._generation)
-        self._reopen()
+        self._reopen("no new channel in time after a refused publish")
 
     def _renew(self) -> None:
         """After a nack: publish the next batch on a new channel, once every message
@@ -403,12 +400,6 @@ class Publisher(RefusalProbingLink):
         if not self._run_until(self._channel_answered, RENEW_WAIT):
             self._window.drop_unanswered(self._generation)
         self._nacked = False
-        old = self._channel
-        self._window.leave_channel(self._generation)
-        if old is not None:
-            self._retired.append(old)
-            with contextlib.suppress(Exception):
-                old.close()
         self._reopen("no new channel in time after a nack")
 
     def _channel_answered(self) -> bool:
@@ -418,14 +409,24 @@ class Publisher(RefusalProbingLink):
     def _on_channel_closed(self, channel: Any, exc: BaseException) -> None:
         if any(channel is old for old in self._retired):
             self._retired = [old for old in self._retired if old is not channel]
-            return  # closed by _renew, on purpose
+            return  # closed by _reopen, on purpose
         super()._on_channel_closed(channel, exc)
 
-    def _reopen(self, failure: str = "no new channel in time after a refused publish") -> None:
-        """Open a new publishing channel on the same connection (or fail the link)."""
+    def _reopen(self, failure: str) -> None:
+        """Publish on a new channel of the same connection (or fail the link with
+        ``failure``). Delivery tags count from 1 again on it: the old channel's
+        batches, every message of them answered or given up, leave the window, so
+        that none takes an answer of the new one; the old channel, if the broker
+        has not closed it, is closed."""
         conn = self._conn
         if conn is None or self._failure is not None:
             return
+        self._window.leave_channel(self._generation)
+        old, self._channel = self._channel, None
+        if old is not None:
+            self._retired.append(old)
+            with contextlib.suppress(Exception):
+                old.close()
         self._ready = False
         conn.channel(on_open_callback=self._on_channel_open)
         if not self._run_until(lambda: self._ready or self._failure is not None,

@@ -34,12 +34,6 @@ class Window:
         #: The highest delivery tag any ack or nack has named on this channel.
         self.confirmed_up_to = 0
 
-    def new_channel(self) -> None:
-        """Tags count from 1 again: on a new channel, or a new connection."""
-        self.base_tag = 0
-        self.low = 1
-        self.confirmed_up_to = 0
-
     def open(self, count: int, generation: int) -> Batch:
         """A new batch owning the next ``count`` delivery tags."""
         batch = Batch(base=self.base_tag, status=bytearray(count), generation=generation)
@@ -65,7 +59,9 @@ class Window:
         """The current channel is replaced: its batches (all answered, or given up)
         leave the window, so that none takes an answer of the new channel."""
         self.batches = [b for b in self.batches if b.generation != generation]
-        self.new_channel()
+        self.base_tag = 0  # tags count from 1 again
+        self.low = 1
+        self.confirmed_up_to = 0
 
     def answered(self, generation: int) -> bool:
         """Every message published on the current channel was answered."""
