@@ -23,14 +23,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import harness
-import pika
 import psycopg
 from bench_throughput import raw_pika, staged_messages
 from curves import sql_stage
-from harness import BROKER_URL
+from harness import BROKER_URL, broker_channel
 
 from drain.daemon.runner import Drain
 from drain.settings.config import Settings
@@ -57,23 +55,6 @@ def drain_seconds(url: str, broker: str, n: int, depth: tuple[int, int]) -> floa
         return time.perf_counter() - started
 
 
-def purge(host: str, port: int, queue: str) -> None:
-    conn = pika.BlockingConnection(pika.ConnectionParameters(host, port))
-    try:
-        conn.channel().queue_purge(queue)
-    finally:
-        conn.close()
-
-
-def declare(host: str, port: int, queue: str, quorum: bool) -> None:
-    conn = pika.BlockingConnection(pika.ConnectionParameters(host, port))
-    try:
-        conn.channel().queue_declare(
-            queue, durable=True, arguments={"x-queue-type": "quorum"} if quorum else None)
-    finally:
-        conn.close()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=50_000)
@@ -85,9 +66,9 @@ def main() -> int:
         first = cluster.nodes[0]
         url = setup.database()
         quorum = f"bench_cluster_quorum_{setup.tag}"
-        declare(first.address, first.port, quorum, quorum=True)
+        with first.channel() as channel:
+            channel.queue_declare(quorum, durable=True, arguments={"x-queue-type": "quorum"})
         classic = setup.queue("classic")
-        single = urlsplit(BROKER_URL)
         sql_stage(url, n, quorum, TASK)
         messages = staged_messages(url)  # what raw pika publishes
         with psycopg.connect(url) as conn:
@@ -102,15 +83,15 @@ def main() -> int:
                 if who == "raw_quorum":
                     took = raw_pika(messages, pre_encoded=True, window=depth[0],
                                     broker=first.url)
-                    purge(first.address, first.port, quorum)
                 elif who == "drain_quorum":
                     sql_stage(url, n, quorum, TASK)
                     took = drain_seconds(url, first.url, n, depth)
-                    purge(first.address, first.port, quorum)
                 else:
                     sql_stage(url, n, classic, TASK)
                     took = drain_seconds(url, BROKER_URL, n, depth)
-                    purge(single.hostname or "127.0.0.1", single.port or 5672, classic)
+                on_classic = who == "drain_classic"
+                with (broker_channel if on_classic else first.channel)() as channel:
+                    channel.queue_purge(classic if on_classic else quorum)
                 seconds.setdefault(key, []).append(took)
                 print(f"  {key}: {n / took:,.0f} jobs/s", flush=True)
     rates = {key: n / min(values) for key, values in seconds.items()}

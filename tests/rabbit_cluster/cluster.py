@@ -42,6 +42,11 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import pika
+
+from tests import support
 
 #: The RabbitMQ install's own scripts (Debian's package): run as root directly,
 #: not through /usr/sbin's wrapper, which switches to the rabbitmq user.
@@ -122,6 +127,15 @@ class Node:
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    @contextlib.contextmanager
+    def channel(self) -> Iterator[Any]:
+        """A channel of a new connection to this node, closed after."""
+        conn = pika.BlockingConnection(pika.ConnectionParameters(self.address, self.port))
+        try:
+            yield conn.channel()
+        finally:
+            conn.close()
 
 
 class Cluster:
@@ -251,16 +265,14 @@ class Cluster:
     def wait_clustered(self, timeout: float = START_TIMEOUT) -> None:
         """Until every node sees all three running."""
         want = {node.name for node in self.nodes}
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def clustered() -> bool:
             try:
-                if all(self.running_nodes(node) == want for node in self.nodes):
-                    return
+                return all(self.running_nodes(node) == want for node in self.nodes)
             except (RuntimeError, subprocess.TimeoutExpired):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the cluster did not form in {timeout:.0f} s")
-            time.sleep(0.5)
+                return False
+
+        support.wait_for(clustered, timeout, "the cluster to form", interval=0.5)
 
     def stop_node(self, node: Node, sig: int = signal.SIGTERM, timeout: float = 60.0) -> None:
         if node.process is None:
@@ -283,8 +295,7 @@ class Cluster:
         self.heal()
         for node in self.nodes:
             self.stop_node(node)
-        subprocess.run(["epmd", "-port", str(EPMD_PORT), "-kill"], env=self.env(),
-                       capture_output=True, check=False)
+        _kill_epmd()
 
     # -- faults ---------------------------------------------------------------------
 
@@ -370,21 +381,30 @@ class Cluster:
         return ";".join(node.url for node in self.nodes)
 
 
-def kill_stale() -> None:
-    """kill -9 the nodes of a cluster whose run ended without stopping it (found by
-    the epmd port in their environment), and its epmd."""
+def node_pids() -> list[int]:
+    """The Erlang VMs of any cluster of this module on the machine (found by the epmd
+    port in their environment), this process's or one a stopped run left."""
     marker = f"ERL_EPMD_PORT={EPMD_PORT}".encode()
+    pids = []
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
         try:
-            if (proc / "comm").read_text().strip() != "beam.smp":
-                continue
-            if marker not in (proc / "environ").read_bytes().split(b"\0"):
-                continue
-            os.kill(int(proc.name), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
+            if (proc.name.isdigit() and (proc / "comm").read_text().strip() == "beam.smp"
+                    and marker in (proc / "environ").read_bytes().split(b"\0")):
+                pids.append(int(proc.name))
+        except OSError:
             continue
+    return pids
+
+
+def kill_stale() -> None:
+    """kill -9 the nodes of a cluster whose run ended without stopping it, and its epmd."""
+    for pid in node_pids():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    _kill_epmd()
+
+
+def _kill_epmd() -> None:
     subprocess.run(["epmd", "-port", str(EPMD_PORT), "-kill"], capture_output=True,
                    env={**os.environ, "ERL_EPMD_PORT": str(EPMD_PORT)}, check=False)
 

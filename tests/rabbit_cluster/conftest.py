@@ -52,4 +52,4 @@ def scenario(whole: rabbit.Cluster, db_url: str, spawn: Any) -> Iterator[Scenari
     finally:
         run.stop()
         whole.restore()
-        delete_queues(whole, [queue, f"{queue}_classic"])
+        delete_queues(whole, [queue, run.classic_queue])

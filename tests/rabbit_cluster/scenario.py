@@ -80,7 +80,7 @@ class Scenario:
             DRAIN_CLUSTER_BROKERS=cluster.broker_list,
             DRAIN_CLUSTER_DATABASE=db_url,
             CLUSTER_QUEUE=queue,
-            CLUSTER_CLASSIC_QUEUE=f"{queue}_classic",
+            CLUSTER_CLASSIC_QUEUE=self.classic_queue,
         )
         self.staged: list[str] = []
         self._lock = threading.Lock()
@@ -143,18 +143,10 @@ class Scenario:
                 next_at += 1 / STAGE_RATE
                 self._stop.wait(max(next_at - time.monotonic(), 0))
 
-    def published(self) -> float | None:
-        try:
-            _status, body = support.http_get(self.metrics_port, "/metrics")
-        except OSError:
-            return None
-        match = re.search(r"^drain_published_total ([0-9.e+]+)$", body, re.M)
-        return float(match.group(1)) if match else None
-
     def _sampling(self) -> None:
         last = -1.0
         while not self._stop.is_set():
-            value = self.published()
+            value = self.metric("drain_published_total")
             if value is not None and value != last:
                 self.progress.append((time.monotonic(), value))
                 last = value
@@ -184,12 +176,13 @@ class Scenario:
                                [task]).fetchone()
         return int(row[0]) if row else 0
 
-    def metric(self, name: str) -> float:
-        """The sum of a counter's samples on the drain's /metrics (0 if none)."""
+    def metric(self, name: str) -> float | None:
+        """The sum of a counter's samples on the drain's /metrics (0 if it has none);
+        None while the drain does not answer."""
         try:
             _status, body = support.http_get(self.metrics_port, "/metrics")
         except OSError:
-            return 0.0
+            return None
         return sum(float(m.group(1)) for m in
                    re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", body, re.M))
 
@@ -236,7 +229,7 @@ class Scenario:
         wanted = set(staged)
         # Until every job ran, or the deadline: then what never ran is counted lost.
         deadline = time.monotonic() + timeout
-        while not wanted <= self.ran_ids() and time.monotonic() < deadline:
+        while not wanted <= self.runs().keys() and time.monotonic() < deadline:
             time.sleep(0.1)
         runs = self.runs()
         # The stalls after the fault: gaps of STALL or more between two samples in
@@ -256,9 +249,6 @@ class Scenario:
                                 "GROUP BY task_id").fetchall()
         return {str(r[0]): int(r[1]) for r in rows}
 
-    def ran_ids(self) -> set[str]:
-        return set(self.runs())
-
     def stop(self) -> None:
         self._stop.set()
         for thread in self._threads:
@@ -274,14 +264,10 @@ def delete_queues(cluster: Cluster, names: list[str]) -> None:
         if not node.alive():
             continue
         try:
-            conn = pika.BlockingConnection(pika.ConnectionParameters(node.address, node.port))
+            with node.channel() as channel:
+                for name in names:
+                    channel.queue_delete(name)
         except pika.exceptions.AMQPError:
             continue
-        try:
-            channel = conn.channel()
-            for name in names:
-                channel.queue_delete(name)
-        finally:
-            conn.close()
         return
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import re
 import time
 
-import pika
 import pytest
 
 from tests import support
@@ -34,14 +33,27 @@ CONFIRM_TIMEOUT = 30.0
 FROZEN = 20.0
 
 
-def _declare_on(node: Node, queue: str) -> None:
-    """Declare the quorum queue through ``node``: its leader starts there."""
-    conn = pika.BlockingConnection(pika.ConnectionParameters(node.address, node.port))
-    try:
-        conn.channel().queue_declare(queue, durable=True,
-                                     arguments={"x-queue-type": "quorum"})
-    finally:
-        conn.close()
+def _led_from(scenario: Scenario, which: str) -> Node:
+    """Start the scenario with the queue led by ``which`` ("the leader's node": the
+    second, declared through it, while the drain publishes through the first; "the
+    drain's node": the first, where the drain declares it) and wait until the
+    backlog is under way; that node."""
+    nodes = scenario.cluster.nodes
+    leader = nodes[1] if which == "the leader's node" else nodes[0]
+    if leader is nodes[1]:
+        with leader.channel() as channel:
+            channel.queue_declare(scenario.queue, durable=True,
+                                  arguments={"x-queue-type": "quorum"})
+    scenario.start()
+    assert scenario.leader() == leader.name
+    scenario.mid_backlog()
+    return leader
+
+
+def _lasting(since: float) -> None:
+    """Until the fault begun at ``since`` has lasted FROZEN seconds."""
+    support.wait_for(lambda: time.monotonic() - since >= FROZEN, FROZEN + 5,
+                     f"the fault to last {FROZEN:g} s")
 
 
 def _new_leader(scenario: Scenario, old: Node, via: Node) -> float:
@@ -68,12 +80,8 @@ def test_a_node_killed_and_restarted(scenario: Scenario, killed: str) -> None:
     declaring client is connected. The node's death is said in one line that
     names it, and the drain fails over to the next node."""
     nodes = scenario.cluster.nodes
-    victim, witness = (nodes[1], nodes[0]) if killed == "the leader's node" else nodes[:2]
-    if victim is nodes[1]:
-        _declare_on(victim, scenario.queue)
-    scenario.start()
-    assert scenario.leader() == victim.name
-    scenario.mid_backlog()
+    victim = _led_from(scenario, killed)
+    witness = nodes[0] if victim is nodes[1] else nodes[1]
     killed_at = time.monotonic()
     scenario.cluster.kill(victim)
     recovered_at = _new_leader(scenario, victim, witness)
@@ -98,16 +106,11 @@ def test_a_node_frozen_past_the_heartbeat(scenario: Scenario, frozen: str) -> No
     2 x (heartbeat + 5) s: 20 s with the app's 5 s) or when the node thaws, the
     first of the two: the recovery counts from the thaw."""
     nodes = scenario.cluster.nodes
-    victim = nodes[1] if frozen == "the leader's node" else nodes[0]
-    if victim is nodes[1]:
-        _declare_on(victim, scenario.queue)
-    scenario.start()
-    assert scenario.leader() == victim.name
-    scenario.mid_backlog()
+    victim = _led_from(scenario, frozen)
     frozen_at = time.monotonic()
     scenario.cluster.freeze(victim)
     elected_at = _new_leader(scenario, victim, nodes[2])
-    support.wait_for(lambda: time.monotonic() - frozen_at >= FROZEN, FROZEN + 5, "the freeze")
+    _lasting(frozen_at)
     scenario.cluster.thaw(victim)
     recovered_at = elected_at if victim is nodes[1] else time.monotonic()
     _check(scenario, f"SIGSTOP of {frozen} for {FROZEN:g} s, then SIGCONT",
@@ -128,7 +131,7 @@ def test_a_partition_of_one_node(scenario: Scenario, cut: str) -> None:
     # Another node cut off: the leader and the drain are in the majority.
     recovered_at = _new_leader(scenario, victim, nodes[1]) if victim is nodes[0] else cut_at
     scenario.published_after(recovered_at)
-    support.wait_for(lambda: time.monotonic() - cut_at >= FROZEN, FROZEN + 5, "the partition")
+    _lasting(cut_at)
     scenario.cluster.heal()
     # The drain's own node cut off: pause_minority closes its connections ~5 s in,
     # and the drain goes on through the next node, whose channel met the queue
@@ -166,11 +169,8 @@ def test_a_classic_queue_whose_node_is_down_holds_only_its_own_rows(
     quorum queue's jobs keep flowing. Once the node is back, they go out."""
     nodes = scenario.cluster.nodes
     classic = scenario.classic_queue
-    conn = pika.BlockingConnection(pika.ConnectionParameters(nodes[0].address, nodes[0].port))
-    try:
-        conn.channel().queue_declare(classic, durable=True)  # lives on the first node
-    finally:
-        conn.close()
+    with nodes[0].channel() as channel:
+        channel.queue_declare(classic, durable=True)  # lives on the first node
     scenario.start()
     scenario.stage(100, task="cluster.classic")
     support.wait_for(lambda: scenario.staged_of("cluster.classic") == 0, 60,
@@ -188,7 +188,7 @@ def test_a_classic_queue_whose_node_is_down_holds_only_its_own_rows(
     support.wait_for(lambda: classic in scenario.drain_log(), 30,
                      "the drain to name the classic queue")
     assert "home node" in scenario.drain_log(), scenario.drain_log()
-    assert scenario.metric("drain_declare_refused_total") > 0, scenario.drain_log()
+    assert (scenario.metric("drain_declare_refused_total") or 0) > 0, scenario.drain_log()
     scenario.cluster.restart(nodes[0])
     support.wait_for(lambda: scenario.staged_of("cluster.classic") == 0, 90,
                      "the classic queue's jobs to go out once its node is back")
