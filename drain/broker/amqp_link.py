@@ -69,6 +69,9 @@ class AmqpLink:
         self._channel: Any = None
         self._ready = False
         self._failure: str | None = None
+        #: The broker stopped answering this connection: :meth:`close` drops it
+        #: without waiting for a close-ok that would not come either.
+        self._stuck = False
         self._refused = False
         self._done: Callable[[], bool] = lambda: True
         #: Why the broker blocks this connection (a resource alarm), or None.
@@ -161,6 +164,8 @@ class AmqpLink:
     def close(self) -> None:
         """Close the connection (if any); never raises."""
         conn, self._conn = self._conn, None
+        transport = self._io.transport if self._io is not None else None
+        stuck, self._stuck = self._stuck, False
         self._io = None
         self._channel = None
         self._ready = False
@@ -169,7 +174,11 @@ class AmqpLink:
             return
         try:
             if conn.is_open:
-                conn.close()
+                if stuck and transport is not None:
+                    # pika reports the connection lost at the next turn of its loop.
+                    transport.drop(ConnectionAbortedError("the broker answered nothing"))
+                else:
+                    conn.close()
                 deadline = time.monotonic() + 2.0
                 while not conn.is_closed and time.monotonic() < deadline:
                     handle = conn.ioloop.call_later(0.05, conn.ioloop.stop)

@@ -65,6 +65,8 @@ class CorkedTransport(AbstractStreamTransport):  # type: ignore[misc]
         self._held_bytes = 0
         #: Writes handed to pika's transport (for tests and benchmarks).
         self.writes = 0
+        #: Why :meth:`drop` cut the connection: what the connection is told it lost.
+        self.dropped: BaseException | None = None
 
     def cork(self) -> None:
         """Hold every write back until :meth:`uncork`."""
@@ -93,6 +95,13 @@ class CorkedTransport(AbstractStreamTransport):  # type: ignore[misc]
         self._held, self._held_bytes = None, 0
         self._transport.abort()
 
+    def drop(self, reason: BaseException) -> None:
+        """Close the socket now, without a close handshake: the connection learns it
+        lost its stream for ``reason`` (pika's own ``abort`` tells it no reason, which
+        an open connection does not expect)."""
+        self.dropped = reason
+        self.abort()
+
     def get_protocol(self) -> Any:
         return self._protocol
 
@@ -106,13 +115,16 @@ class _Protocol(AbstractStreamProtocol):  # type: ignore[misc]
     def __init__(self, inner: Any, made: Callable[[CorkedTransport], None]) -> None:
         self.inner = inner
         self._made = made
+        self._corked: CorkedTransport | None = None
 
     def connection_made(self, transport: Any) -> None:
-        corked = CorkedTransport(transport, self.inner)
+        corked = self._corked = CorkedTransport(transport, self.inner)
         self._made(corked)
         self.inner.connection_made(corked)
 
     def connection_lost(self, error: BaseException | None) -> None:
+        if error is None and self._corked is not None:
+            error = self._corked.dropped
         self.inner.connection_lost(error)
 
     def eof_received(self) -> Any:

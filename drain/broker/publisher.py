@@ -29,27 +29,13 @@ A message counts as delivered only when its ``basic.ack`` arrived and no
 connection lost mid-batch) leaves it undelivered and its row stays staged. A
 publish the broker refuses by closing the channel (``404 NOT_FOUND - no
 exchange``) costs that message alone: drain.broker.refusal finds it among the
-unconfirmed ones on a new channel, and the connection and the rest are kept.
-
-Matching a return to its publish
---------------------------------
-A ``basic.return`` carries no delivery tag, and a task id is no identity:
-two staged rows may share one (re-staging a job under its id), and both can
-be in flight at once. What the broker does guarantee, on one channel: it
-handles publishes in order, sends the return of an unroutable message while
-it handles that publish, and confirms a message only after handling it. So
-when a return arrives, every ack or nack received so far is for an earlier
-publish: the returned message's tag is above the highest tag confirmed so
-far. Among the messages in flight above that tag, the return is matched by
-task id and routing key; if more than one fits (same task id, same queue,
-both still unconfirmed), every one of them counts as returned. Their rows
-stay staged and are published again: a duplicate with the same task id at
-worst, never a row deleted for a message the broker dropped.
+unconfirmed ones on a new channel, and the connection and the rest are kept. A
+``basic.return`` carries no delivery tag: drain.broker.window says how it is
+matched to its publish.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -59,18 +45,14 @@ import pika
 from drain.broker.amqp import EncodedProperties
 from drain.broker.batches import Batch, PublishResult, report
 from drain.broker.broker_list import BrokerList
+from drain.broker.channels import ChannelKeepingLink
 from drain.broker.outgoing import Message
 from drain.broker.queue_declare import QueueSpec
-from drain.broker.refusal import ACKED, RESOLVED, RETURNED, Refusal, RefusalProbingLink
-from drain.broker.window import Window
+from drain.broker.refusal import ACKED, RESOLVED, RETURNED, Refusal
 from drain.errors import BrokerBlocked, BrokerUnavailable, QueueDeclareRefused
 
 log = logging.getLogger("drain.publisher")
-#: How long the next batch waits for the last answers on a channel that nacked,
-#: before it goes on a new one (:meth:`Publisher._renew`); seconds.
-RENEW_WAIT = 0.25
-
-class Publisher(RefusalProbingLink):
+class Publisher(ChannelKeepingLink):
     """One AMQP connection and one confirm-mode channel."""
 
     def __init__(
@@ -86,32 +68,19 @@ class Publisher(RefusalProbingLink):
         specs: Callable[[str], QueueSpec] | None = None,
     ) -> None:
         super().__init__(parameters, display_url=display_url, declare=declare,
-                         connect_timeout=connect_timeout, secrets=secrets,
-                         queue_max_priority=queue_max_priority, specs=specs)
-        self._confirm_timeout = confirm_timeout
+                         confirm_timeout=confirm_timeout, connect_timeout=connect_timeout,
+                         secrets=secrets, queue_max_priority=queue_max_priority, specs=specs)
         #: Called while a wait for confirms goes on past the confirm timeout because
         #: confirms still come (:meth:`wait`): the drain's loop is not stuck.
         self.on_progress: Callable[[], None] | None = None
-        #: Batches published and not yet handed back, and the answers to them.
-        self._window = Window()
-        self._generation = 0
         #: The broker closed the publishing channel (drain.broker.refusal): its reply.
         self._refusal: str | None = None
-        #: The broker nacked a message on the publishing channel: the next batch goes
-        #: out on a new one (:meth:`_renew`).
-        self._nacked = False
-        #: Publishing channels replaced by :meth:`_reopen`, until their close is confirmed.
-        self._retired: list[Any] = []
 
     # -- connection (drain.broker.amqp_link opens, closes and turns it) -----------------
 
     def _new_connection(self) -> None:
         super()._new_connection()
-        self._window = Window()
-        self._generation += 1
         self._refusal = None
-        self._nacked = False
-        self._retired = []
 
     def _prepare_channel(self, channel: Any) -> None:
         channel.add_on_return_callback(self._on_return)
@@ -318,8 +287,7 @@ class Publisher(RefusalProbingLink):
     def _on_confirm(self, frame: Any) -> None:
         method = frame.method
         acked = isinstance(method, pika.spec.Basic.Ack)
-        if not acked:
-            self._nacked = True
+        self._heard(acked)
         self._window.on_confirm(method.delivery_tag, method.multiple, acked)
         self._wake()
 
@@ -374,61 +342,3 @@ class Publisher(RefusalProbingLink):
 
         self.probe([batch.messages[i] for batch, i in suspects], resolve)
         self._reopen("no new channel in time after a refused publish")
-
-    def _renew(self) -> None:
-        """After a nack: publish the next batch on a new channel, once every message
-        of the current one is answered (waiting up to :data:`RENEW_WAIT` for that;
-        those still unanswered then are given up, DROPPED: their rows stay staged
-        and go out again, with the same task ids).
-
-        A nack means the queue did not take the message: a full queue with
-        ``x-overflow: reject-publish``, or a quorum queue without a leader. On
-        RabbitMQ 3.10 a channel opened just after a quorum queue's leader died
-        gets every publish to that queue nacked until the dead node returns, while
-        a new channel gets acks as soon as a new leader is elected (issue 37,
-        measured on a three-node cluster). So the nacked rows, published again
-        once their queue's hold runs out (drain.daemon.holds), go on a channel
-        that has not nacked: a queue that is really full nacks there too and
-        stays held. Such a channel answers a publish to that queue only after
-        5 s (a nack), so a wait for every answer on it would never end while
-        batches flow; after :data:`RENEW_WAIT` (healthy queues' confirms take
-        milliseconds) what is left unanswered is given up, as when a connection
-        is lost. The old channel is closed: no late answer of it can be taken
-        for one of the new channel, whose delivery tags count from 1 again."""
-        if self._failure is not None:
-            return
-        if not self._run_until(self._channel_answered, RENEW_WAIT):
-            self._window.drop_unanswered(self._generation)
-        self._nacked = False
-        self._reopen("no new channel in time after a nack")
-
-    def _channel_answered(self) -> bool:
-        """Every message published on the current channel was answered."""
-        return self._failure is not None or self._window.answered(self._generation)
-
-    def _on_channel_closed(self, channel: Any, exc: BaseException) -> None:
-        if any(channel is old for old in self._retired):
-            self._retired = [old for old in self._retired if old is not channel]
-            return  # closed by _reopen, on purpose
-        super()._on_channel_closed(channel, exc)
-
-    def _reopen(self, failure: str) -> None:
-        """Publish on a new channel of the same connection (or fail the link with
-        ``failure``). Delivery tags count from 1 again on it: the old channel's
-        batches, every message of them answered or given up, leave the window, so
-        that none takes an answer of the new one; the old channel, if the broker
-        has not closed it, is closed."""
-        conn = self._conn
-        if conn is None or self._failure is not None:
-            return
-        self._window.leave_channel(self._generation)
-        old, self._channel = self._channel, None
-        if old is not None:
-            self._retired.append(old)
-            with contextlib.suppress(Exception):
-                old.close()
-        self._ready = False
-        conn.channel(on_open_callback=self._on_channel_open)
-        if not self._run_until(lambda: self._ready or self._failure is not None,
-                               self._connect_timeout):
-            self._failure = self._failure or failure

@@ -57,7 +57,7 @@ from drain.broker.queue_declare import QueueDeclaringLink
 #: a flag set by a basic.return (before the ack that resolves it); REFUSED: its
 #: publish closed the channel (see :class:`Refusal`); DROPPED: it went out on a
 #: channel the publisher gave up before the broker answered (its row stays
-#: staged, as when a connection is lost; drain.broker.publisher, ``_renew``).
+#: staged, as when a connection is lost; drain.broker.channels).
 #: 16 is drain.broker.batches' REPORTED.
 PENDING, ACKED, NACKED, RETURNED, REFUSED, DROPPED = 0, 1, 2, 4, 8, 32
 RESOLVED = ACKED | NACKED | REFUSED | DROPPED

@@ -4,13 +4,28 @@
 has published and not yet handed back: each batch owns a run of the channel's
 delivery tags (they count from 1 per channel), and every ``basic.ack``,
 ``basic.nack`` and ``basic.return`` is matched here to the messages it is for
-(the module docstring of drain.broker.publisher says how a return is matched).
+(below: how a return is matched).
 The publisher writes, turns the I/O loop and decides what to do with a channel;
 the window only counts.
 
 A batch carries the generation of the connection it went out on: what the
 window holds of an older connection is never answered again (its channel went
 with it), and is not matched against the new one's answers.
+
+Matching a return to its publish
+--------------------------------
+A ``basic.return`` carries no delivery tag, and a task id is no identity:
+two staged rows may share one (re-staging a job under its id), and both can
+be in flight at once. What the broker does guarantee, on one channel: it
+handles publishes in order, sends the return of an unroutable message while
+it handles that publish, and confirms a message only after handling it. So
+when a return arrives, every ack or nack received so far is for an earlier
+publish: the returned message's tag is above the highest tag confirmed so
+far. Among the messages in flight above that tag, the return is matched by
+task id and routing key; if more than one fits (same task id, same queue,
+both still unconfirmed), every one of them counts as returned. Their rows
+stay staged and are published again: a duplicate with the same task id at
+worst, never a row deleted for a message the broker dropped.
 """
 
 from __future__ import annotations
@@ -33,6 +48,8 @@ class Window:
         self.low = 1
         #: The highest delivery tag any ack or nack has named on this channel.
         self.confirmed_up_to = 0
+        #: The current channel has answered something (an ack or a nack).
+        self.heard = False
 
     def open(self, count: int, generation: int) -> Batch:
         """A new batch owning the next ``count`` delivery tags."""
@@ -62,6 +79,7 @@ class Window:
         self.base_tag = 0  # tags count from 1 again
         self.low = 1
         self.confirmed_up_to = 0
+        self.heard = False
 
     def answered(self, generation: int) -> bool:
         """Every message published on the current channel was answered."""
@@ -94,6 +112,7 @@ class Window:
         status = ACKED if acked else NACKED
         first = self.low if multiple else tag
         self.confirmed_up_to = max(self.confirmed_up_to, tag)
+        self.heard = True
         now = time.monotonic()
         for batch in self.batches:
             size = len(batch.status)

@@ -58,7 +58,7 @@ class Answers:
             # Nacked again if published again at once (a full queue with
             # x-overflow reject-publish): with backoff, not in a loop. A quorum
             # queue without a leader nacks too; the publisher sends the next
-            # try on a new channel (drain.broker.publisher, Publisher._renew).
+            # try on a new channel (drain.broker.channels, ChannelKeepingLink._renew).
             holds.hold(key, f"the broker nacks messages to {key} (full, with x-overflow "
                             "reject-publish, or a quorum queue electing a leader?); "
                             "their rows stay staged")

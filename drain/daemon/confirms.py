@@ -10,6 +10,7 @@ waiting for a slow queue's last few confirms must not hold back the rest.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 
@@ -72,7 +73,9 @@ class Confirms:
         cycles collect it without waiting for it.
 
         A batch with no answer for a whole confirm timeout is given up (its rows
-        stay staged; the connection starts afresh). Stopping (``timeout``), every
+        stay staged; the connection starts afresh); on a new channel that has
+        answered nothing at all, after MUTE_WAIT (drain.broker.channels), the
+        channel is replaced instead. Stopping (``timeout``), every
         batch is waited for, each up to ``timeout``. A broker that blocks
         publishing ends the wait: the rest stays in flight.
         """
@@ -96,6 +99,10 @@ class Confirms:
                     result = self._wait(oldest, timeout)
                 elif self._silent_for(oldest) > self.settings.confirm_timeout:
                     result = publisher.give_up(oldest)
+                elif self._mute_in(oldest) <= 0:
+                    # A new channel that never answered: its messages stay staged.
+                    publisher.replace_mute(self._silent_for(oldest))
+                    continue
                 elif goal():
                     break
                 elif time.monotonic() >= until:
@@ -109,7 +116,8 @@ class Confirms:
                         batch = next(b for b in pending if b.unresolved and not b.lingered)
                     result = self._wait(batch, None, goal, min(
                         until - time.monotonic(),
-                        self.settings.confirm_timeout - self._silent_for(oldest)))
+                        self.settings.confirm_timeout - self._silent_for(oldest),
+                        self._mute_in(oldest)))
                 if result is not None:
                     results.append(result)
                     pending.remove(batch)
@@ -124,6 +132,13 @@ class Confirms:
         (drain.broker.publisher, ``Publisher.wait``)."""
         since = max(oldest.oldest_at, oldest.answered_at, self._publisher.unblocked_at)
         return time.monotonic() - since
+
+    def _mute_in(self, oldest: Batch) -> float:
+        """Seconds until the channel ``oldest`` went out on counts as mute, if it has
+        answered nothing yet (drain.broker.channels, ``replace_mute``);
+        infinite once it has."""
+        limit = self._publisher.mute_limit(oldest)
+        return math.inf if limit is None else limit - self._silent_for(oldest)
 
     def _harvest(self, pending: list[Batch], results: list[PublishResult]) -> None:
         """What came meanwhile, of the batches still out."""

@@ -11,6 +11,7 @@ import pytest
 from drain.daemon.runner import Drain, State
 from drain.settings.config import Settings
 from tests import roles, support
+from tests.machine import rabbitmqctl
 
 
 class Running:
@@ -57,3 +58,28 @@ def start_active_drain(start_drain: Callable[..., Running]) -> Callable[..., Run
         return r
 
     return _start
+
+
+def queue_process(queue: str, call: str) -> None:
+    """``sys:<call>`` on the process of ``queue`` (in the run's vhost) on the broker:
+    "suspend" it and the broker takes the messages sent to it and confirms none,
+    until "resume"."""
+    name = f'rabbit_misc:r(<<"{support.BROKER_VHOST}">>, queue, <<"{queue}">>)'
+    rabbitmqctl("eval", f"{{ok, Q}} = rabbit_amqqueue:lookup({name}), "
+                        f"sys:{call}(amqqueue:get_pid(Q)).")
+
+
+@pytest.fixture
+def silence() -> Iterator[Callable[[str], None]]:
+    """Suspend a queue's process (:func:`queue_process`): the broker stops confirming
+    what goes to it. Resumed after the test, whatever happened (before the queue
+    fixtures delete it)."""
+    silenced: list[str] = []
+
+    def _silence(queue: str) -> None:
+        silenced.append(queue)
+        queue_process(queue, "suspend")
+
+    yield _silence
+    for queue in silenced:
+        queue_process(queue, "resume")

@@ -1,5 +1,5 @@
-"""After a nack, the next batch goes out on a new channel (drain.broker.publisher,
-``Publisher._renew``; issue 37).
+"""After a nack, the next batch goes out on a new channel (drain.broker.channels,
+``ChannelKeepingLink._renew``; issue 37).
 
 On a RabbitMQ cluster, a channel that first published to a quorum queue while
 its leader was being elected gets every later publish to it nacked, 5 s each,

@@ -17,36 +17,13 @@ it its row goes too, each job delivered once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
 from drain.daemon.runner import State
 from tests import support
-from tests.integration.conftest import Running
-from tests.machine import rabbitmqctl
-
-
-def _queue_process(queue: str, call: str) -> None:
-    """``sys:<call>`` on the process of ``queue`` (in the run's vhost) on the broker."""
-    name = f'rabbit_misc:r(<<"{support.BROKER_VHOST}">>, queue, <<"{queue}">>)'
-    rabbitmqctl("eval", f"{{ok, Q}} = rabbit_amqqueue:lookup({name}), "
-                        f"sys:{call}(amqqueue:get_pid(Q)).")
-
-
-@pytest.fixture
-def silence() -> Iterator[Callable[[str], None]]:
-    """Suspend a queue's process: the broker stops confirming what goes to it. Resumed
-    after the test, whatever happened (before the queue fixtures delete it)."""
-    silenced: list[str] = []
-
-    def _silence(queue: str) -> None:
-        silenced.append(queue)
-        _queue_process(queue, "suspend")
-
-    yield _silence
-    for queue in silenced:
-        _queue_process(queue, "resume")
+from tests.integration.conftest import Running, queue_process
 
 
 def _staged_ids(db_url: str) -> set[str]:
@@ -82,7 +59,7 @@ def test_a_queue_that_does_not_confirm_holds_back_only_its_own_jobs(
     support.wait_for(lambda: _staged_ids(db_url) == set(silent), 60,
                      "the healthy queue's jobs, while the other queue confirms nothing")
     assert running.drain.published == 1 + len(flowing)
-    _queue_process(queue, "resume")
+    queue_process(queue, "resume")
     support.wait_for(lambda: support.staged_count(db_url) == 0, 60,
                      "the silent queue's job, once it confirms")
     for name, staged in ((queue, stuck), (other_queue, flowing)):
