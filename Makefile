@@ -129,7 +129,7 @@ test-spark-cluster: services venv
 # killed, frozen, cut off with iptables and restarted; tests/rabbit_cluster). In one process:
 # one cluster for the module, ~10 minutes. Needs root (iptables) and Debian's RabbitMQ.
 test-rabbit-cluster: services venv
-	$(call run_tests,-m rabbit_cluster tests/rabbit_cluster $(ARGS))
+	$(call run_tests,-s -m rabbit_cluster tests/rabbit_cluster $(ARGS))
 
 test-unit: venv
 	$(call run_tests,tests/unit $(ARGS))
