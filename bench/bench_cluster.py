@@ -4,14 +4,16 @@ In one run, on the cluster tests/rabbit_cluster/cluster.py starts (three
 nodes on this machine) and the machine's own single node:
 
 * the drain into a quorum queue on the cluster (through its first node, which
-  leads the queue), at batch size x pipeline 1000 x 4 and 1000 x 8;
+  leads the queue), at batch size x pipeline 1000 x 4, 1000 x 8 and 5000 x 2;
 * the drain into a classic queue on the single node, at the same depths;
 * raw pika publishing the drain's exact messages to the same quorum queue,
-  with confirm windows of 4,000 and 8,000 (the same messages in flight).
+  with confirm windows of 4,000, 8,000 and 10,000 (the same messages in flight).
 
 Each variant runs ``--rounds`` times, in turns; the best of each is compared:
 quorum / classic (what replication costs the drain) and drain / raw pika on
-the quorum queue (the goal: >= 0.9). Writes bench/results/cluster.json. Needs
+the quorum queue (the goal: >= 0.9), with where each best round's CPU went
+(bench/cpu.py: this process, which runs the drain or raw pika, every RabbitMQ
+node, Postgres, and the machine's busy share). Writes bench/results/cluster.json. Needs
 root (the cluster's nodes) and Debian's RabbitMQ: ``make bench-cluster``.
 """
 
@@ -24,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import cpu
 import harness
 import psycopg
 from bench_throughput import raw_pika, staged_messages
@@ -34,7 +37,9 @@ from drain.daemon.runner import Drain
 from drain.settings.config import Settings
 from tests.rabbit_cluster import cluster as rabbit
 
-DEPTHS = ((1000, 4), (1000, 8))
+DEPTHS = ((1000, 4), (1000, 8), (5000, 2))
+#: raw pika's confirm windows: the same messages in flight as each depth's most.
+WINDOWS = tuple(size * pipeline for size, pipeline in DEPTHS)
 TASK = "bench.cluster"
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -74,35 +79,39 @@ def main() -> int:
         with psycopg.connect(url) as conn:
             conn.execute("DELETE FROM staged_jobs")
         seconds: dict[str, list[float]] = {}
+        used: dict[str, dict[str, float]] = {}  # CPU per message of each variant's best round
         for round_ in range(args.rounds):
             variants = [("drain_quorum", d) for d in DEPTHS] + [
                 ("drain_classic", d) for d in DEPTHS] + [
-                ("raw_quorum", (w, 1)) for w in (4000, 8000)]
+                ("raw_quorum", (w, 1)) for w in WINDOWS]
             for who, depth in harness.turns(round_, variants):
                 key = f"{who}_{depth[0] * depth[1]}"
+                if who != "raw_quorum":
+                    sql_stage(url, n, quorum if who == "drain_quorum" else classic, TASK)
+                before = cpu.sample()
                 if who == "raw_quorum":
                     took = raw_pika(messages, pre_encoded=True, window=depth[0],
                                     broker=first.url)
-                elif who == "drain_quorum":
-                    sql_stage(url, n, quorum, TASK)
-                    took = drain_seconds(url, first.url, n, depth)
                 else:
-                    sql_stage(url, n, classic, TASK)
-                    took = drain_seconds(url, BROKER_URL, n, depth)
+                    took = drain_seconds(url, first.url if who == "drain_quorum"
+                                         else BROKER_URL, n, depth)
+                spent = cpu.per_message(before, cpu.sample(), n)
+                if took <= min(seconds.get(key, [took])):
+                    used[key] = spent
                 on_classic = who == "drain_classic"
                 with (broker_channel if on_classic else first.channel)() as channel:
                     channel.queue_purge(classic if on_classic else quorum)
                 seconds.setdefault(key, []).append(took)
-                print(f"  {key}: {n / took:,.0f} jobs/s", flush=True)
+                print(f"  {key}: {n / took:,.0f} jobs/s; CPU per message: {spent}", flush=True)
     rates = {key: n / min(values) for key, values in seconds.items()}
     best = {who: max(r for k, r in rates.items() if k.startswith(who))
             for who in ("drain_quorum", "drain_classic", "raw_quorum")}
     result = {
-        "jobs": n, "rates": rates, "best": best,
+        "jobs": n, "rates": rates, "best": best, "cpu_per_message": used,
         "quorum_vs_classic": best["drain_quorum"] / best["drain_classic"],
         "drain_vs_raw_quorum": best["drain_quorum"] / best["raw_quorum"],
         "same_window": {str(w): rates[f"drain_quorum_{w}"] / rates[f"raw_quorum_{w}"]
-                        for w in (4000, 8000)},
+                        for w in WINDOWS},
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "cluster.json").write_text(json.dumps(result, indent=2))
