@@ -9,7 +9,8 @@ nodes on this machine) and the machine's own single node:
 * raw pika publishing the drain's exact messages to the same quorum queue,
   with confirm windows of 4,000, 8,000 and 10,000 (the same messages in flight).
 
-Each variant runs ``--rounds`` times, in turns; the best of each is compared:
+Each variant runs ``--rounds`` times, in turns, each drain round on a vacuumed
+table (as bench_throughput's); the best of each is compared:
 quorum / classic (what replication costs the drain) and drain / raw pika on
 the quorum queue (the goal: >= 0.9), with where each best round's CPU went
 (bench/cpu.py: this process, which runs the drain or raw pika, every RabbitMQ
@@ -87,6 +88,9 @@ def main() -> int:
             for who, depth in harness.turns(round_, variants):
                 key = f"{who}_{depth[0] * depth[1]}"
                 if who != "raw_quorum":
+                    with psycopg.connect(url, autocommit=True) as conn:
+                        # Without the dead rows of the rounds before (the table empties).
+                        conn.execute("VACUUM ANALYZE staged_jobs")
                     sql_stage(url, n, quorum if who == "drain_quorum" else classic, TASK)
                 before = cpu.sample()
                 if who == "raw_quorum":
