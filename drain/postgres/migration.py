@@ -56,7 +56,9 @@ def migrate(conn: psycopg.Connection[tuple[object, ...]], *,
     briefly, and every writer queues behind a lock that is waiting. So each
     attempt waits at most ``lock_timeout`` seconds for a lock, then rolls back
     and tries again a moment later: the application's writers are held up for
-    at most that long, even behind a long transaction. Raises DrainError after
+    at most that long, even behind a long transaction. A deadlock with another
+    session (Postgres ends one of the two: a drain that took the tables in the
+    other order) rolls the attempt back and tries again too. Raises DrainError after
     ``attempts`` tries, RolesShared when the prefix's roles hold privileges in
     another database of the cluster.
     """
@@ -76,6 +78,12 @@ def migrate(conn: psycopg.Connection[tuple[object, ...]], *,
                     "SELECT value FROM drain_settings WHERE key = 'role_prefix'").fetchone()
         except psycopg.errors.LockNotAvailable:
             log.info("drain migrate: a table is in use, trying again (%d/%d)", attempt, attempts)
+            time.sleep(min(0.05 * attempt, 0.5))
+        except psycopg.errors.DeadlockDetected:
+            # A running drain (of another version, during a rolling deploy) that took
+            # the tables' locks the other way round: its statement goes on.
+            log.info("drain migrate: deadlocked with another session's statement, which "
+                     "goes on; trying again (%d/%d)", attempt, attempts)
             time.sleep(min(0.05 * attempt, 0.5))
         except psycopg.Error as exc:
             if exc.sqlstate == ROLES_SHARED:
