@@ -219,8 +219,8 @@ class Store(Session):
         row changed since stays staged, a row locked is pending (drain.postgres.conflicts);
         ``suspects`` were locked in an earlier cycle: sorted before the delete."""
         return self._keyed("delete_confirmed", list(rows.items()), lambda keys: {
-            "ids": [row_id for row_id, _ in keys], "xacts": [str(xact) for _, xact in keys]},
-            suspects)
+            "ids": sql.int_array(row_id for row_id, _ in keys),
+            "xacts": sql.int_array(xact for _, xact in keys)}, suspects)
 
     def expire(self, exclude: list[int], limit: int,
                plan: keyset.FetchPlan = keyset.FROM_HEAD) -> tuple[int, Settled]:
@@ -229,7 +229,7 @@ class Store(Session):
         gives the expiry's low-water mark (drain.postgres.keyset)."""
         found = {int(row_id): int(xact) for row_id, xact in self._execute(  # type: ignore[call-overload]
             "expiring", {
-                "exclude": exclude, "limit": limit,
+                "exclude": sql.int_array(exclude), "limit": limit,
                 "expiring_from": plan.expiring_from, "timed_xact": plan.timed_xact,
                 **self._lane,
             }).fetchall()}
@@ -356,7 +356,7 @@ def fetch_params(
     """The parameters of the ``fetch_batch`` query (no plan: every priority from its head)."""
     plan = plan or keyset.FROM_HEAD
     return {
-        "limit": limit, "exclude": exclude or [], "paused": paused or [],
+        "limit": limit, "exclude": sql.int_array(exclude or ()), "paused": paused or [],
         "held_routes": held_routes or [],
         "priorities": plan.priorities, "mark_xacts": plan.mark_xacts,
         "mark_ids": plan.mark_ids,
