@@ -20,15 +20,28 @@ time, Decimal, UUID and bytes), refusing what ``jsonb`` cannot store (NaN and
 infinities, NUL, lone surrogates) and an ``expires`` beyond what RabbitMQ
 accepts (3,650 days) with :class:`~drain.errors.StagingError`, naming the
 field, before any SQL is run.
+
+An application may take this package before ``drain migrate`` has run on its
+database (a rolling deploy deploys them separately). The columns added since
+the first release, ``embed`` and ``trace``, are written only where the table
+has them (:func:`_writable`): a job staged inside an OpenTelemetry span on a
+database without ``trace`` is staged without its trace context, said once in
+the log, and the caller's transaction never fails for it; a signature with
+callbacks or a chain, whose ``embed`` cannot be dropped without changing what
+runs, is refused with StagingError naming ``drain migrate`` before any SQL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import inspect
+import logging
 import operator
+import time
 import uuid
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -46,6 +59,22 @@ _CASTS = {
     "trace": "jsonb",
 }
 _MULTI_ROW_CHUNK = 500
+#: The columns a database migrated by an older drain may lack, and how a
+#: connection asks which it has (``to_regclass`` follows the search path, as the
+#: INSERT does).
+_NEWER_COLUMNS = ("embed", "trace")
+_NEWER_COLUMNS_SQL = (
+    "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass('staged_jobs') "
+    "AND attname IN ('embed', 'trace') AND attnum > 0 AND NOT attisdropped")
+#: A connection whose database lacked one is asked again after this many seconds
+#: (``drain migrate`` may have run since); one that has them all, never.
+_RECHECK = 60.0
+
+log = logging.getLogger("drain.staging")
+#: Per connection object: the newer columns its database has, and when it was asked.
+_seen: weakref.WeakKeyDictionary[Any, tuple[frozenset[str], float]] = (
+    weakref.WeakKeyDictionary())
+_said: set[str] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +160,7 @@ def stage(
             priority=priority, tag=tag, countdown=countdown, eta=eta, expires=expires,
             trace=trace,
         )
-    _execute_insert(conn, [row])
+    _execute_insert(conn, _writable(conn, [row]))
     return row.task_id
 
 
@@ -175,6 +204,7 @@ def stage_many(conn: Any, jobs: Iterable[Job | Mapping[str, Any]]) -> list[uuid.
         )
     if rows:
         _refuse_async(conn)
+        rows = _writable(conn, rows)
         if _is_psycopg(conn):
             _copy(conn, rows)
         else:
@@ -193,6 +223,63 @@ def _is_psycopg(conn: Any) -> bool:
 
 def _is_sqlalchemy(conn: Any) -> bool:
     return type(conn).__module__.startswith("sqlalchemy.")
+
+
+def _writable(conn: Any, rows: list[Row]) -> list[Row]:
+    """``rows`` as the database can take them: without a trace context where
+    staged_jobs has no ``trace`` column yet (said once per process); StagingError
+    where a row has an embed and the table no ``embed`` column. Asks the database
+    only when some row has either (once per connection, see :data:`_RECHECK`)."""
+    if not any(row.trace is not None or row.embed is not None for row in rows):
+        return rows
+    _refuse_async(conn)
+    has = _newer_columns(conn)
+    if "embed" not in has and any(row.embed is not None for row in rows):
+        raise StagingError(
+            "staged_jobs has no embed column, which a signature's callbacks or a "
+            "chain need: run `drain migrate` on this database (nothing was staged)")
+    if "trace" not in has and any(row.trace is not None for row in rows):
+        if "trace" not in _said:
+            _said.add("trace")
+            log.warning("staged_jobs has no trace column yet (`drain migrate` has not run "
+                        "on this database): jobs are staged without their OpenTelemetry "
+                        "context until it has")
+        rows = [dataclasses.replace(row, trace=None) for row in rows]
+    return rows
+
+
+def _newer_columns(conn: Any) -> frozenset[str]:
+    """Which of :data:`_NEWER_COLUMNS` staged_jobs has, as ``conn`` sees it."""
+    now = time.monotonic()
+    try:
+        seen = _seen.get(conn)
+    except TypeError:  # an object that takes no weak reference: asked every time
+        seen = None
+    if seen is not None and (seen[0] == frozenset(_NEWER_COLUMNS) or now - seen[1] < _RECHECK):
+        return seen[0]
+    has = frozenset(str(row[0]) for row in _fetch_all(conn, _NEWER_COLUMNS_SQL))
+    with contextlib.suppress(TypeError):
+        _seen[conn] = (has, now)
+    return has
+
+
+def _fetch_all(conn: Any, statement: str) -> list[tuple[Any, ...]]:
+    """The rows of a parameterless query, on any connection :func:`stage` takes."""
+    if _is_sqlalchemy(conn):
+        from sqlalchemy import text  # noqa: PLC0415 - SQLAlchemy is optional
+
+        return [tuple(row) for row in conn.execute(text(statement)).fetchall()]
+    if _is_psycopg(conn) and hasattr(conn, "execute"):
+        return [tuple(row) for row in conn.execute(statement).fetchall()]
+    if callable(getattr(conn, "cursor", None)):
+        cursor = conn.cursor()
+        try:
+            cursor.execute(statement)
+            return [tuple(row) for row in cursor.fetchall()]
+        finally:
+            cursor.close()
+    conn.execute(statement)  # a DB-API cursor
+    return [tuple(row) for row in conn.fetchall()]
 
 
 def _columns(rows: list[Row]) -> tuple[str, ...]:
