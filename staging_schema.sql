@@ -494,6 +494,15 @@ CREATE TABLE IF NOT EXISTS drain_settings (
 );
 GRANT SELECT ON drain_settings TO PUBLIC;
 
+-- The schema's version (drain.postgres.migration.SCHEMA_VERSION), for
+-- `drain migrate --check`, `drain status` and the status page. One more with
+-- each release that changes this file. Never lowered: an older drain's
+-- migrate after a newer one's changes nothing of the newer schema, and leaves
+-- its version. A database from before versions were recorded has none.
+INSERT INTO drain_settings (key, value) VALUES ('schema_version', '1')
+ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value
+WHERE drain_settings.value::int < EXCLUDED.value::int;
+
 -- The group roles (see "Roles and grants" at the top). Roles belong to the
 -- whole cluster while grants belong to one database, so each database gets
 -- roles of its own: <prefix>stager, <prefix>runner, <prefix>operator and

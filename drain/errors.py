@@ -53,6 +53,10 @@ class SchemaMissing(DrainError):
     """The database has no ``staged_jobs`` table: run ``drain migrate`` first."""
 
 
+class SchemaNewer(DrainError):
+    """The database's schema is of a newer drain than this one (``drain migrate --check``)."""
+
+
 class BrokerUnavailable(DrainError):
     """RabbitMQ cannot be reached, refused the login, or the connection died."""
 

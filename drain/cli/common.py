@@ -29,6 +29,7 @@ from drain.errors import (
     PartitioningChanged,
     PermissionDenied,
     SchemaMissing,
+    SchemaNewer,
     StagingError,
     UsageError,
 )
@@ -44,11 +45,13 @@ class Exit(enum.IntEnum):
     SCHEMA = 4  #: staged_jobs is missing: run `drain migrate`
     PRIVILEGE = 5  #: the database role lacks a grant (docs/running.md, "Database roles")
     PARTITIONING = 6  #: a backfill resume would partition its records differently
+    SCHEMA_NEWER = 7  #: a newer drain migrated the schema (`drain migrate --check`)
 
 
 #: Which exit code an error that ends a command gets: the first that fits.
 EXIT_CODES: Sequence[tuple[type[BaseException], Exit]] = (
     (SchemaMissing, Exit.SCHEMA),
+    (SchemaNewer, Exit.SCHEMA_NEWER),
     (PartitioningChanged, Exit.PARTITIONING),
     (PermissionDenied, Exit.PRIVILEGE),
     (DatabaseUnavailable, Exit.UNAVAILABLE),

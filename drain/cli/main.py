@@ -263,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Stage Celery jobs in your Postgres transaction; drain them to RabbitMQ.",
         epilog="Exit codes: 0 ok, 1 unexpected error, 2 bad usage or input, "
         "3 database or broker unavailable, 4 schema missing (run `drain migrate`), "
-        "5 permission denied (the database role lacks a grant).",
+        "5 permission denied (the database role lacks a grant), 7 the schema is of a newer "
+        "drain (`drain migrate --check`).",
     )
     parser.add_argument("--version", action=version.VersionAction)
     parser.add_argument(
@@ -290,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(env DRAIN_ROLE_PREFIX; default: the prefix this database has, else "
         "<database name>_drain_). A new prefix moves the grants: the old roles lose them here")
     p.add_argument("--print", action="store_true", help="print the schema SQL, apply nothing")
+    p.add_argument("--check", action="store_true",
+                   help="apply nothing; exit 0 when the database's schema is this drain's "
+                   "version, 4 when it needs `drain migrate`, 7 when a newer drain migrated "
+                   "it (one line on stderr, for deploy pipelines)")
     p.set_defaults(func=cmd_migrate)
 
     _add_run_parser(sub)
@@ -332,6 +337,9 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         migration.check_role_prefix(args.role_prefix)  # before connecting
     settings = settings_of(args)
     with session.connect_plain(settings) as conn:
+        if args.check:
+            log.info("%s: %s", session.connected_to(conn), migration.check(conn))
+            return Exit.OK
         prefix = migration.migrate(conn, role_prefix=args.role_prefix)
         log.info("schema applied to %s; its roles: %s", session.connected_to(conn),
                  ", ".join(migration.role_names(prefix)))

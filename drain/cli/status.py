@@ -111,6 +111,15 @@ def _status_lines(status: dict[str, Any]) -> list[str]:
         return f"~{n:,}" if estimated else str(n)
 
     lines = [f"database: {status['database']}"]
+    schema = status["schema"]
+    if schema["version"] is None:
+        lines.append("schema version: none recorded (an older drain's): run `drain migrate`")
+    elif schema["version"] != schema["drain"]:
+        lines.append(f"schema version: {schema['version']} (this drain's: {schema['drain']}; "
+                     + ("run `drain migrate`)" if schema["version"] < schema["drain"]
+                        else "a newer drain's)"))
+    else:
+        lines.append(f"schema version: {schema['version']}")
     age = status["oldest_age_seconds"]
     delayed = f" ({count(status['delayed'])} delayed)" if status["delayed"] else ""
     lines.append(f"backlog: {count(status['backlog'])} staged job(s){delayed}"

@@ -15,12 +15,17 @@ import psycopg
 import psycopg.errors
 from psycopg import sql as psql
 
-from drain.errors import ConfigError, DrainError, RolesShared
+from drain.errors import ConfigError, DrainError, RolesShared, SchemaMissing, SchemaNewer
 from drain.postgres import sql
 from drain.settings.url_parts import first_line
 
 log = logging.getLogger("drain.store")
 
+
+#: The version staging_schema.sql records in drain_settings ('schema_version'):
+#: one more with each release that changes the schema (tests/unit/test_schema_version.py
+#: keeps the two equal).
+SCHEMA_VERSION = 1
 
 #: `drain migrate` waits this long for each lock on a table in use, then tries again.
 MIGRATE_LOCK_TIMEOUT = 1.0
@@ -103,3 +108,35 @@ def migrate(conn: psycopg.Connection[tuple[object, ...]], *,
 def role_names(prefix: str) -> list[str]:
     """The group roles of a database whose role prefix is ``prefix``."""
     return [f"{prefix}{kind}" for kind in ROLE_KINDS]
+
+
+def schema_version(conn: psycopg.Connection[tuple[object, ...]]) -> int | None:
+    """The schema version ``drain migrate`` recorded in this database (None: none,
+    a schema an older drain made); SchemaMissing when it has no staged_jobs."""
+    row = conn.execute(sql.query("schema_tables")).fetchone()
+    staged, settings = row if row else (False, False)
+    if not staged:
+        raise SchemaMissing("no staged_jobs table: run `drain migrate`")
+    if not settings:
+        return None
+    found = conn.execute(sql.query("schema_version")).fetchone()
+    return int(str(found[0])) if found else None
+
+
+def check(conn: psycopg.Connection[tuple[object, ...]]) -> str:
+    """``drain migrate --check``: one line when the schema is this drain's version;
+    SchemaMissing when it needs ``drain migrate``, SchemaNewer when a newer drain
+    migrated it (each in one line)."""
+    version = schema_version(conn)
+    if version is None:
+        raise SchemaMissing(
+            f"the schema is from a drain older than version {SCHEMA_VERSION} (it records "
+            "no version): run `drain migrate`")
+    if version < SCHEMA_VERSION:
+        raise SchemaMissing(
+            f"schema version {version}, this drain's is {SCHEMA_VERSION}: run `drain migrate`")
+    if version > SCHEMA_VERSION:
+        raise SchemaNewer(
+            f"schema version {version} is newer than this drain's ({SCHEMA_VERSION}): "
+            "a newer drain migrated it; upgrade this one (docs/running.md, \"Upgrading\")")
+    return f"schema version {version}: current"

@@ -580,3 +580,11 @@ SELECT coalesce(max(dead_id), 0) FROM dead_jobs;
 SELECT task_name, CAST(task_id AS text), reason, detail FROM dead_jobs
 WHERE dead_id > %(mark)s
 ORDER BY dead_id;
+
+-- name: schema_tables
+-- Whether staged_jobs and drain_settings (where `drain migrate` records the
+-- schema's version) exist, as this session's search path finds them.
+SELECT to_regclass('staged_jobs') IS NOT NULL, to_regclass('drain_settings') IS NOT NULL;
+
+-- name: schema_version
+SELECT value::int FROM drain_settings WHERE key = 'schema_version';

@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 
 from drain.errors import DatabaseUnavailable, DrainError
-from drain.postgres import session, sql
+from drain.postgres import migration, session, sql
 from drain.postgres.abandoned import lane_class, lane_guard
 from drain.postgres.session import connect_plain
 from drain.settings.config import Settings
@@ -60,12 +60,15 @@ def read(
     * ``lock`` (its holder) and ``lanes`` (holders by lane).
     * ``database``: the database read, as connected to (user, host, port, name;
       no password).
+    * ``schema``: the version ``drain migrate`` recorded (None: none, an older
+      drain's schema) and this drain's (drain.postgres.migration).
 
     Runs in a transaction of its own (a savepoint inside the caller's), so a
     watching operator or the sampler never holds one open between calls.
     """
     try:
         with conn.transaction():
+            version = migration.schema_version(conn)
             live, dead_tuples, pages = _first(conn, "backlog_estimate")
             sample: dict[str, Any] | None = None
             if live >= estimate_above and pages > sample_pages:
@@ -120,6 +123,7 @@ def read(
         "oldest_transaction": _transaction(oldest_xact),
         "lock": {"key": lock_key, **lock},
         "lanes": lanes,
+        "schema": {"version": version, "drain": migration.SCHEMA_VERSION},
     }
 
 

@@ -54,7 +54,7 @@ READ_PAGE = """(() => {
     dead_none: !!document.getElementById('dead-none'), dead_tuples: v('dead-tuples'),
     groups: groups, published: v('published'), rate: v('rate'),
     xact_pid: xact.dataset.pid, xact_age: xact.dataset.value, xact_text: xact.textContent,
-    lock_held: lock.dataset.held, lock_pid: lock.dataset.pid,
+    lock_held: lock.dataset.held, lock_pid: lock.dataset.pid, schema: v('schema'),
     chart_points: Number(document.getElementById('chart').dataset.points),
     rate_path: !!document.getElementById('chart-rate'),
     error: document.getElementById('error').hidden ? null : t('error'),
@@ -281,6 +281,7 @@ def test_status_page_shows_what_drain_status_shows(
         page = _wait_page(browser, lambda p: _page_matches(p, expected),
                           "the page to show the numbers of drain status --json")
         assert page["role"] == "standby" and page["error"] is None
+        assert page["schema"] == str(expected["schema"]["version"])
         assert page["dead"] == {"expired": 3, "too_large": 2}
         assert page["lock_held"] == "true" and page["lock_pid"] == str(expected["lock"]["pid"])
         assert page["xact_pid"] == str(idle_pid) and "page-test idle" in page["xact_text"]
