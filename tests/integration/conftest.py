@@ -83,3 +83,11 @@ def silence() -> Iterator[Callable[[str], None]]:
     yield _silence
     for queue in silenced:
         queue_process(queue, "resume")
+
+
+@pytest.fixture
+def proxy() -> Iterator[support.TcpProxy]:
+    """A TcpProxy in front of the run's RabbitMQ (tests/support.py), stopped after."""
+    proxy = support.TcpProxy(support.BROKER_PORT).start()
+    yield proxy
+    proxy.stop()

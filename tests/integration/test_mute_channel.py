@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -43,13 +43,6 @@ BUILDER = message.Builder(origin="gen1@test", reply_to=str(uuid.uuid4()))
 COUNT = 20
 #: Far beyond what a test waits: only the mute channel's own bound can end a wait.
 CONFIRM_TIMEOUT = 120.0
-
-
-@pytest.fixture
-def proxy() -> Iterator[support.TcpProxy]:
-    proxy = support.TcpProxy(support.BROKER_PORT).start()
-    yield proxy
-    proxy.stop()
 
 
 def _start(pub: Publisher, queue: str, first: int) -> Batch:

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
-
-import pytest
 
 from drain.broker.batches import PublishResult
 from drain.broker.outgoing import Message
@@ -29,13 +26,6 @@ COUNT = 60
 #: never far apart.
 SIZE = 900
 RATE = 20_000
-
-
-@pytest.fixture
-def proxy() -> Iterator[support.TcpProxy]:
-    proxy = support.TcpProxy(support.BROKER_PORT).start()
-    yield proxy
-    proxy.stop()
 
 
 def _batch(queue: str) -> list[Message]:
