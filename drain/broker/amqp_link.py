@@ -163,8 +163,8 @@ class AmqpLink:
 
     def close(self) -> None:
         """Close the connection (if any); never raises."""
+        transport = self.transport
         conn, self._conn = self._conn, None
-        transport = self._io.transport if self._io is not None else None
         stuck, self._stuck = self._stuck, False
         self._io = None
         self._channel = None

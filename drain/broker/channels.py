@@ -103,9 +103,7 @@ class ChannelKeepingLink(RefusalProbingLink):
         for one of the new channel, whose delivery tags count from 1 again."""
         if self._failure is not None:
             return
-        if not self._run_until(self._channel_answered, RENEW_WAIT):
-            self._window.drop_unanswered(self._generation)
-        self._nacked = False
+        self._run_until(self._channel_answered, RENEW_WAIT)
         self._reopen("no new channel in time after a nack")
 
     def mute_limit(self, batch: Batch) -> float | None:
@@ -137,8 +135,6 @@ class ChannelKeepingLink(RefusalProbingLink):
                     "on another (%d unanswered message(s) stay staged)",
                     self._display_url, silent, unanswered)
         self._mute_limit = min(2 * self._mute_limit, self._confirm_timeout)
-        self._window.drop_unanswered(self._generation)
-        self._nacked = False
         # Its connection may be as stuck as the channel (a new channel on it was seen
         # to wait 12 s for its open-ok): a new channel opens at once, or the next node.
         self._reopen(f"no new channel within {MUTE_OPEN_WAIT:g}s after a mute one",
@@ -157,14 +153,17 @@ class ChannelKeepingLink(RefusalProbingLink):
     def _reopen(self, failure: str, wait: float | None = None) -> None:
         """Publish on a new channel of the same connection (or fail the link with
         ``failure``). Delivery tags count from 1 again on it: the old channel's
-        batches, every message of them answered or given up, leave the window, so
-        that none takes an answer of the new one; the old channel, if the broker
-        has not closed it, is closed. The new channel has ``wait`` seconds to open
-        (the connect timeout by default)."""
+        messages still unanswered are given up (DROPPED: their rows stay staged),
+        and its batches leave the window, so that none takes an answer of the new
+        one; the old channel, if the broker has not closed it, is closed, and its
+        nacks no longer count (the new one has nacked nothing). The new channel
+        has ``wait`` seconds to open (the connect timeout by default)."""
         conn = self._conn
         if conn is None or self._failure is not None:
             return
+        self._window.drop_unanswered(self._generation)
         self._window.leave_channel(self._generation)
+        self._nacked = False
         old, self._channel = self._channel, None
         if old is not None:
             self._retired.append(old)

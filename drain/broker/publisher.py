@@ -52,6 +52,8 @@ from drain.broker.refusal import ACKED, RESOLVED, RETURNED, Refusal
 from drain.errors import BrokerBlocked, BrokerUnavailable, QueueDeclareRefused
 
 log = logging.getLogger("drain.publisher")
+
+
 class Publisher(ChannelKeepingLink):
     """One AMQP connection and one confirm-mode channel."""
 
