@@ -69,6 +69,7 @@ _NEWER_COLUMNS_SQL = (
 #: A connection whose database lacked one is asked again after this many seconds
 #: (``drain migrate`` may have run since); one that has them all, never.
 _RECHECK = 60.0
+_ALL_NEWER = frozenset(_NEWER_COLUMNS)
 
 log = logging.getLogger("drain.staging")
 #: Per connection object: the newer columns its database has, and when it was asked.
@@ -232,7 +233,6 @@ def _writable(conn: Any, rows: list[Row]) -> list[Row]:
     only when some row has either (once per connection, see :data:`_RECHECK`)."""
     if not any(row.trace is not None or row.embed is not None for row in rows):
         return rows
-    _refuse_async(conn)
     has = _newer_columns(conn)
     if "embed" not in has and any(row.embed is not None for row in rows):
         raise StagingError(
@@ -255,31 +255,12 @@ def _newer_columns(conn: Any) -> frozenset[str]:
         seen = _seen.get(conn)
     except TypeError:  # an object that takes no weak reference: asked every time
         seen = None
-    if seen is not None and (seen[0] == frozenset(_NEWER_COLUMNS) or now - seen[1] < _RECHECK):
+    if seen is not None and (seen[0] == _ALL_NEWER or now - seen[1] < _RECHECK):
         return seen[0]
-    has = frozenset(str(row[0]) for row in _fetch_all(conn, _NEWER_COLUMNS_SQL))
+    has = frozenset(str(row[0]) for row in _execute(conn, _NEWER_COLUMNS_SQL, fetch=True))
     with contextlib.suppress(TypeError):
         _seen[conn] = (has, now)
     return has
-
-
-def _fetch_all(conn: Any, statement: str) -> list[tuple[Any, ...]]:
-    """The rows of a parameterless query, on any connection :func:`stage` takes."""
-    if _is_sqlalchemy(conn):
-        from sqlalchemy import text  # noqa: PLC0415 - SQLAlchemy is optional
-
-        return [tuple(row) for row in conn.execute(text(statement)).fetchall()]
-    if _is_psycopg(conn) and hasattr(conn, "execute"):
-        return [tuple(row) for row in conn.execute(statement).fetchall()]
-    if callable(getattr(conn, "cursor", None)):
-        cursor = conn.cursor()
-        try:
-            cursor.execute(statement)
-            return [tuple(row) for row in cursor.fetchall()]
-        finally:
-            cursor.close()
-    conn.execute(statement)  # a DB-API cursor
-    return [tuple(row) for row in conn.fetchall()]
 
 
 def _columns(rows: list[Row]) -> tuple[str, ...]:
@@ -336,30 +317,41 @@ def _refuse_async(conn: Any) -> None:
 
 
 def _execute_insert(conn: Any, rows: list[Row]) -> None:
-    _refuse_async(conn)
     columns = _columns(rows)
-    params = _params(rows, columns)
+    named = _is_sqlalchemy(conn)
+    _execute(conn, _insert_sql(rows, "named" if named else "pyformat", columns),
+             _params(rows, columns))
+
+
+def _execute(conn: Any, statement: str, params: Mapping[str, Any] | None = None, *,
+             fetch: bool = False) -> list[tuple[Any, ...]]:
+    """Run ``statement`` (``:name`` placeholders on SQLAlchemy, ``%(name)s`` on the
+    others) on any connection :func:`stage` takes; its rows with ``fetch``."""
+    _refuse_async(conn)
+
+    def rows(result: Any) -> list[tuple[Any, ...]]:
+        return [tuple(row) for row in result.fetchall()] if fetch else []
+
     if _is_sqlalchemy(conn):
         from sqlalchemy import text  # noqa: PLC0415 - SQLAlchemy is optional
 
-        conn.execute(text(_insert_sql(rows, "named", columns)), params)
-        return
-    statement = _insert_sql(rows, "pyformat", columns)
+        return rows(conn.execute(text(statement), params or {}))
     if _is_psycopg(conn) and hasattr(conn, "execute"):
-        conn.execute(statement, params)
-    elif callable(getattr(conn, "cursor", None)):
+        return rows(conn.execute(statement, params))
+    if callable(getattr(conn, "cursor", None)):
         cursor = conn.cursor()
         try:
             cursor.execute(statement, params)
+            return rows(cursor)
         finally:
             cursor.close()
-    elif callable(getattr(conn, "execute", None)) and hasattr(conn, "fetchone"):
-        conn.execute(statement, params)
-    else:
-        raise UnsupportedConnection(
-            f"cannot stage on a {type(conn).__module__}.{type(conn).__name__}: pass a psycopg "
-            "connection or cursor, a SQLAlchemy Connection or Session, or a DB-API connection"
-        )
+    if callable(getattr(conn, "execute", None)) and hasattr(conn, "fetchone"):
+        conn.execute(statement, params)  # a DB-API cursor
+        return rows(conn)
+    raise UnsupportedConnection(
+        f"cannot stage on a {type(conn).__module__}.{type(conn).__name__}: pass a psycopg "
+        "connection or cursor, a SQLAlchemy Connection or Session, or a DB-API connection"
+    )
 
 
 def _copy(conn: Any, rows: list[Row]) -> None:
