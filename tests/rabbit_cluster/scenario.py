@@ -212,9 +212,7 @@ class Scenario:
         """Stop staging, wait until every job ran, and check (module docstring)."""
         support.wait_for(lambda: any(t >= recovered_at for t, _ in self.progress), 120,
                          "the drain to publish again after the cluster recovered")
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(10)
+        self._stop_threads()
         with self._lock:
             staged = list(self.staged)
         support.wait_for(lambda: self.backlog_left() == 0, timeout,
@@ -249,10 +247,14 @@ class Scenario:
                                 "GROUP BY task_id").fetchall()
         return {str(r[0]): int(r[1]) for r in rows}
 
-    def stop(self) -> None:
+    def _stop_threads(self) -> None:
+        """The application's staging and the sampling of the drain's count."""
         self._stop.set()
         for thread in self._threads:
             thread.join(10)
+
+    def stop(self) -> None:
+        self._stop_threads()
         for proc in (self.drain, self.worker):
             if proc is not None:
                 proc.stop()
