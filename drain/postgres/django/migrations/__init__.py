@@ -1,0 +1,1 @@
+"""One migration per drain schema version (drain.postgres.django.schema says why)."""
