@@ -2,10 +2,13 @@
 
 drain is published on the package index as ``drain-outbox`` (the name ``drain`` belongs
 to an unrelated project there); the import name and the command stay ``drain``. The
-version comes from the installed distribution's metadata, the one place it is kept
-(``pyproject.toml`` writes it there). A source tree imported without installing it
-(``PYTHONPATH``, or the ``drain.zip`` that Spark executors import) has no such metadata
-and says so instead of guessing.
+version comes from the installed distribution's metadata, where the build wrote it:
+git's, by hatch-vcs (``pyproject.toml``, ``[tool.hatch.version]``): ``X.Y.Z`` built from
+the commit tagged ``vX.Y.Z``, else a dev version of the next release
+(``0.2.0.dev12+g1a2b3c4``); an sdist carries it in PKG-INFO. An editable install keeps
+the version of its install (``pip install -e`` again to see a new tag). A source tree
+imported without installing it (``PYTHONPATH``, or the ``drain.zip`` that Spark
+executors import) has no such metadata and says so instead of guessing.
 """
 
 from __future__ import annotations

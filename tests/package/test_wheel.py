@@ -4,6 +4,7 @@ clean venv (tests/package/installed.py), and its commands run from an empty dire
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tarfile
@@ -20,17 +21,31 @@ from tests.package.installed import DISTRIBUTION, Installed, checked
 DATA_FILES = ("staging_schema.sql", "daemon/status.html", "postgres/queries.sql", "py.typed")
 
 
-def _version_of_pyproject() -> str:
+def _version_of_the_checkout() -> str:
+    """The version a build of this checkout gets: hatch-vcs's, from its git tags
+    (pyproject.toml, [tool.hatch.version]), computed as the build computes it."""
+    done = subprocess.run([sys.executable, "-m", "hatchling", "version"], cwd=support.ROOT,
+                          capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_the_version_comes_from_git_tags_not_pyproject() -> None:
     import tomllib
 
     with (support.ROOT / "pyproject.toml").open("rb") as f:
-        project = tomllib.load(f)["project"]
-    assert project["name"] == DISTRIBUTION
-    return str(project["version"])
+        pyproject = tomllib.load(f)
+    assert pyproject["project"]["name"] == DISTRIBUTION
+    assert "version" not in pyproject["project"]
+    assert pyproject["project"]["dynamic"] == ["version"]
+    assert pyproject["tool"]["hatch"]["version"]["source"] == "vcs"
+    assert any(r.startswith("hatch-vcs") for r in pyproject["build-system"]["requires"])
+    # A release, a dev version of the next one, or (no git at all) the fallback.
+    assert re.fullmatch(r"\d+\.\d+\.\d+(\.dev\d+)?(\+[\w.]+)?", _version_of_the_checkout())
 
 
 def test_wheel_holds_the_package_data_and_the_command(installed: Installed) -> None:
-    version = _version_of_pyproject()
+    version = _version_of_the_checkout()
     assert installed.wheel.name == f"drain_outbox-{version}-py3-none-any.whl"
     with zipfile.ZipFile(installed.wheel) as wheel:
         names = set(wheel.namelist())
@@ -48,10 +63,18 @@ def test_wheel_holds_the_package_data_and_the_command(installed: Installed) -> N
 def test_sdist_holds_what_a_build_needs_and_no_more(installed: Installed) -> None:
     with tarfile.open(installed.sdist) as sdist:
         names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
-    assert {"pyproject.toml", "README.md", "staging_schema.sql", "PKG-INFO"} <= names
+    assert {"pyproject.toml", "README.md", "CHANGELOG.md", "staging_schema.sql", "PKG-INFO"
+            } <= names
     # The schema is at the top (the wheel's build copies it into drain/).
     assert {f"drain/{name}" for name in DATA_FILES if name != "staging_schema.sql"} <= names
     assert not {n for n in names if n.startswith(("tests/", "bench/", "deploy/", "docs/"))}
+    # Its version, for the wheel built from it without .git (hatch-vcs reads PKG-INFO).
+    with tarfile.open(installed.sdist) as sdist:
+        (pkg_info,) = [m for m in sdist.getmembers() if m.name.count("/") == 1
+                       and m.name.endswith("/PKG-INFO")]
+        meta = sdist.extractfile(pkg_info)
+        assert meta is not None
+        assert f"\nVersion: {_version_of_the_checkout()}\n" in meta.read().decode()
 
 
 def test_installed_drain_says_its_version(installed: Installed) -> None:
@@ -59,7 +82,7 @@ def test_installed_drain_says_its_version(installed: Installed) -> None:
     metadata = installed.run(
         [installed.python, "-c",
          f"import importlib.metadata as m; print(m.version({DISTRIBUTION!r}))"], env)
-    assert metadata.stdout.strip() == _version_of_pyproject()
+    assert metadata.stdout.strip() == _version_of_the_checkout()
     done = installed.run([installed.drain, "--version"], env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"drain {metadata.stdout.strip()} ({DISTRIBUTION})"
