@@ -40,6 +40,11 @@
 #                   and 30,000 commits raced against the drain going idle (test_wakeup)
 #   make soak-interleavings  the random-interleavings property test for SOAK_SECONDS (600
 #                   by default) instead of make test's 60; replay one with DRAIN_INTERLEAVING_SEED
+#   make release    the wheel and sdist of this commit into dist/ (emptied first), checked with
+#                   twine check --strict; refuses a tree with uncommitted changes; the version
+#                   is git's (a tag vX.Y.Z on the commit: that release, which CHANGELOG.md must
+#                   have an entry for; else a dev version, with a warning). docs/development.md,
+#                   "Releasing"
 #   make clean      remove the venv and caches
 
 PYTHON ?= python3
@@ -65,7 +70,7 @@ FAST_WORKERS ?= 4
 
 .PHONY: venv demo-venv services demo test test-fast test-unit test-spark-cluster lint docs
 .PHONY: test-rabbit-cluster
-.PHONY: soak soak-interleavings clean
+.PHONY: soak soak-interleavings release clean
 .PHONY: bench bench-throughput bench-latency bench-mvcc bench-memory bench-lanes bench-priority
 .PHONY: bench-staging bench-crashes bench-paused bench-piles bench-curves
 .PHONY: bench-profile bench-spark bench-deps bench-smoke bench-cluster
@@ -237,6 +242,37 @@ soak: services venv
 soak-interleavings: services venv
 	DRAIN_INTERLEAVING_SECONDS=$${SOAK_SECONDS:-600} \
 	  $(TEST_CMD) -s tests/integration/test_interleavings.py $(ARGS)
+
+# The version is the one hatch-vcs gives the build (pyproject.toml, [tool.hatch.version]),
+# read back from the wheel's name. A release version (digits and dots: a tag vX.Y.Z on this
+# commit) needs a heading "## X.Y.Z (<date>)" in CHANGELOG.md, not still "(unreleased)";
+# without one, dist/ is removed again (nothing there to upload by mistake).
+release: venv
+	@git rev-parse --git-dir >/dev/null 2>&1 \
+	  || { echo "make release: not a git checkout: the version comes from its tags" >&2; exit 1; }
+	@if [ -n "$$(git status --porcelain)" ]; then \
+	  echo "make release: the working tree has uncommitted changes (git status): commit them first" >&2; \
+	  exit 1; \
+	fi
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+	@set -e; wheel=$$(ls dist/*.whl); version=$${wheel#dist/drain_outbox-}; \
+	version=$${version%%-*}; echo "make release: built drain-outbox $$version"; \
+	case $$version in \
+	  *[!0-9.]*) echo "make release: warning: $$version is a dev version (no tag vX.Y.Z on" \
+	    "this commit): not for the package index" >&2 ;; \
+	  *) heading=$$(awk -v v="$$version" '$$1 == "##" && $$2 == v' CHANGELOG.md); \
+	    if [ -z "$$heading" ]; then \
+	      echo "make release: CHANGELOG.md has no entry for $$version (## $$version (<date>))" >&2; \
+	      rm -rf dist; exit 1; \
+	    fi; \
+	    case $$heading in *nreleased*) \
+	      echo "make release: CHANGELOG.md still says $$version is unreleased: date it, commit," \
+	        "and tag that commit v$$version" >&2; \
+	      rm -rf dist; exit 1 ;; \
+	    esac ;; \
+	esac
+	$(BIN)/python -m twine check --strict dist/*.whl dist/*.tar.gz
 
 clean:
 	rm -rf $(VENV) $(DEMO_VENV) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info
