@@ -51,16 +51,18 @@ def apply(conn: Any, *, role_prefix: str | None, tool: str) -> str:
     """Apply the staging schema on ``conn``, the psycopg (3) connection a migration
     ``tool`` holds, as ``drain migrate`` does; return the database's role prefix.
 
-    ConfigError in one line when ``conn`` is another driver's connection or is in
-    a transaction (module docstring)."""
+    ConfigError in one line when ``conn`` is another driver's connection, or is
+    in a transaction or out of autocommit (module docstring)."""
     if not isinstance(conn, psycopg.Connection):
         raise ConfigError(
             f"{tool}: drain's schema needs a psycopg (3) connection, not "
             f"{type(conn).__module__}.{type(conn).__qualname__} (docs/migration_tools.md)")
-    if conn.info.transaction_status != pq.TransactionStatus.IDLE:
+    # Not in autocommit: the tool has a transaction open, or will open one at the next
+    # statement, and would then commit or roll back what it believes its own.
+    if not conn.autocommit or conn.info.transaction_status != pq.TransactionStatus.IDLE:
         raise ConfigError(
-            f"{tool}: the connection is in a transaction; drain's schema is applied in "
-            "transactions of its own (docs/migration_tools.md)")
+            f"{tool}: the connection is in a transaction of its own (not in autocommit); "
+            "drain's schema is applied in transactions of drain's (docs/migration_tools.md)")
     prefix = migration.migrate(conn, role_prefix=role_prefix)
     log.info("%s: drain's schema version %d applied; its roles: %s", tool,
              migration.SCHEMA_VERSION, ", ".join(migration.role_names(prefix)))
