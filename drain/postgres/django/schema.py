@@ -21,7 +21,7 @@ the next ``manage.py migrate`` applies the schema again, which changes nothing.
 **Backwards leaves the schema.** Unapplying a drain migration (``manage.py
 migrate drain zero``) changes nothing in the database: dropping the tables could
 drop staged jobs. The next ``manage.py migrate`` applies the schema again, which
-changes nothing either (docs/migration_tools.md says how to drop it by hand).
+changes nothing either (docs/migration_tools.md).
 
 The role prefix is ``settings.DRAIN_ROLE_PREFIX`` when set (a string, or a dict
 of database alias to prefix); otherwise the database's own, as with ``drain
