@@ -78,6 +78,7 @@ def migrate(conn: psycopg.Connection[tuple[object, ...]], *,
                     psql.Literal(f"{max(1, int(lock_timeout * 1000))}ms")))
                 conn.execute("SELECT set_config('drain.role_prefix', %s, true)",
                              (role_prefix or "",))
+                _lock_in_the_drains_order(conn)
                 conn.execute(psql.SQL(sql.schema_text()))
                 row = conn.execute(
                     "SELECT value FROM drain_settings WHERE key = 'role_prefix'").fetchone()
@@ -103,6 +104,20 @@ def migrate(conn: psycopg.Connection[tuple[object, ...]], *,
         f"{lock_timeout:g}s each (a long transaction on staged_jobs? see pg_stat_activity); "
         "nothing was changed, run it again"
     )
+
+
+def _lock_in_the_drains_order(conn: psycopg.Connection[tuple[object, ...]]) -> None:
+    """Lock staged_jobs, then dead_jobs, as the schema's changes to them would, but
+    at once and in the order a drain's batch takes them (its fetch reads
+    staged_jobs, its expiry then moves rows to dead_jobs): a migrate never holds
+    dead_jobs while it waits for staged_jobs. Tables not made yet are skipped."""
+    row = conn.execute("SELECT to_regclass('staged_jobs') IS NOT NULL, "
+                       "to_regclass('dead_jobs') IS NOT NULL").fetchone()
+    tables = [name for name, there in zip(("staged_jobs", "dead_jobs"), row or (), strict=False)
+              if there]
+    if tables:
+        conn.execute(psql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(
+            psql.SQL(", ").join(psql.Identifier(name) for name in tables)))
 
 
 def role_names(prefix: str) -> list[str]:
