@@ -10,6 +10,7 @@ venv (``BIN``) instead of making the clone's (a whole dev install).
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -51,16 +52,20 @@ def clone(tmp_path: Path, *, tags: bool = False) -> Path:
 
 
 def make_release(repo: Path) -> subprocess.CompletedProcess[str]:
+    """``make release`` in ``repo``, as a make of its own: not a sub-make of the ``make
+    test`` that may run this test (MAKELEVEL, MAKEFLAGS: its jobserver, its name)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
     return subprocess.run(
         ["make", "--no-print-directory", "-o", "venv", "release",
          f"BIN={Path(sys.executable).parent}"],
         cwd=repo, capture_output=True, text=True, timeout=600, check=False,
-        stdin=subprocess.DEVNULL)
+        stdin=subprocess.DEVNULL, env=env)
 
 
 def own_lines(stderr: str) -> list[str]:
-    """stderr without make's own "make: *** [...] Error 1" trailer."""
-    return [line for line in stderr.splitlines() if not line.startswith("make: ***")]
+    """stderr without make's own "make: *** [...] Error 1" trailer (make[N] in a
+    sub-make)."""
+    return [line for line in stderr.splitlines() if not re.match(r"make(\[\d+\])?: \*\*\*", line)]
 
 
 def newest_entry(text: str) -> tuple[str, str, str]:
