@@ -36,6 +36,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,18 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+@contextlib.contextmanager
+def own_cluster() -> Iterator[pg_server.Server]:
+    """A Postgres cluster of the caller's own, made as the run's is, and removed
+    afterwards: for tests whose roles must not meet the run's other databases'
+    (roles belong to a whole cluster)."""
+    made = Cluster.create()
+    try:
+        yield made.server
+    finally:
+        made.remove()
 
 
 class Cluster:

@@ -23,7 +23,7 @@ from typing import Any
 
 import psycopg
 
-from tests import pg_server, previous, services, support
+from tests import pg_server, previous, support
 
 #: The two releases of every skew.
 PREVIOUS = "previous"
@@ -52,15 +52,6 @@ class Releases:
 def releases(tmp: Path) -> Releases:
     tmp.mkdir(parents=True, exist_ok=True)
     return Releases(previous.build(), tmp)
-
-
-def cluster() -> Iterator[pg_server.Server]:
-    """A Postgres cluster of the module's own (module docstring)."""
-    made = services.Cluster.create()
-    try:
-        yield made.server
-    finally:
-        made.remove()
 
 
 @contextlib.contextmanager

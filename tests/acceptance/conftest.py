@@ -1,4 +1,5 @@
-"""Fixtures of the tests that run against tests/routing_app.py's Celery app."""
+"""Fixtures of the tests that run against tests/routing_app.py's Celery app, and of
+those that run the previous release beside this one (tests/skew.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from celery import Celery
 
-from tests import routing_app
+from tests import pg_server, routing_app, services, skew
 
 
 @pytest.fixture
@@ -26,3 +27,16 @@ def app(suffix: str) -> Iterator[Celery]:
     built = routing_app.create(suffix)
     yield built
     built.close()
+
+
+@pytest.fixture(scope="module")
+def own_cluster() -> Iterator[pg_server.Server]:
+    """A Postgres cluster of the module's own (tests/skew.py says why)."""
+    with services.own_cluster() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory: pytest.TempPathFactory) -> skew.Releases:
+    """The previous release, built (tests/previous.py), and this one."""
+    return skew.releases(tmp_path_factory.mktemp("releases"))

@@ -59,11 +59,6 @@ def _migrates(db_url: str, until: subprocess.Popen[str]) -> list[subprocess.Comp
     return done
 
 
-@pytest.fixture(scope="module")
-def releases(tmp_path_factory: pytest.TempPathFactory) -> skew.Releases:
-    return skew.releases(tmp_path_factory.mktemp("beside"))
-
-
 @pytest.mark.parametrize("version", skew.VERSIONS)
 def test_migrates_beside_a_busy_drain_all_succeed_and_lose_nothing(
     db_url: str, queue: str, spawn: Any, releases: skew.Releases, version: str,

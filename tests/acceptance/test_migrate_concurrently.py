@@ -41,11 +41,8 @@ AT_ONCE = 4
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[pg_server.Server]:
     """A cluster of its own, made as the run's is (tests/services.py)."""
-    made = services.Cluster.create()
-    try:
-        yield made.server
-    finally:
-        made.remove()
+    with services.own_cluster() as server:
+        yield server
 
 
 def _cli_migrates(urls: list[str]) -> list[subprocess.CompletedProcess[str]]:

@@ -54,16 +54,6 @@ DEPLOYS = [Deploy(PREVIOUS, CURRENT, signal.SIGTERM), Deploy(PREVIOUS, CURRENT, 
            Deploy(CURRENT, PREVIOUS, signal.SIGKILL)]
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[pg_server.Server]:
-    yield from skew.cluster()
-
-
-@pytest.fixture(scope="module")
-def releases(tmp_path_factory: pytest.TempPathFactory) -> skew.Releases:
-    return skew.releases(tmp_path_factory.mktemp("deploy"))
-
-
 class Logins(NamedTuple):
     admin: str
     app: str
@@ -71,12 +61,12 @@ class Logins(NamedTuple):
 
 
 @pytest.fixture
-def logins(cluster: pg_server.Server, releases: skew.Releases) -> Iterator[Logins]:
+def logins(own_cluster: pg_server.Server, releases: skew.Releases) -> Iterator[Logins]:
     """A database the previous release migrated, with the logins its docs recipe
     grants: an application's (drain_stager) and the drain's (drain_runner)."""
     suffix = uuid.uuid4().hex[:8]
     app, runner = f"app_{suffix}", f"drain_{suffix}"
-    with skew.database(cluster) as url:
+    with skew.database(own_cluster) as url:
         skew.migrate(releases, PREVIOUS, url)
         with psycopg.connect(url, autocommit=True) as admin:
             admin.execute(f"CREATE ROLE {app} LOGIN; GRANT drain_stager TO {app}; "
@@ -85,7 +75,7 @@ def logins(cluster: pg_server.Server, releases: skew.Releases) -> Iterator[Login
         try:
             yield Logins(url, _as(url, app), _as(url, runner))
         finally:
-            with psycopg.connect(cluster.url(), autocommit=True) as admin:
+            with psycopg.connect(own_cluster.url(), autocommit=True) as admin:
                 admin.execute(f"DROP ROLE {app}, {runner}")
 
 

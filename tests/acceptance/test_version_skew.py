@@ -43,19 +43,9 @@ NO_TRACE_COLUMN = "staged_jobs has no trace column yet"
 LIBRARY_WAYS = ("stage", "many", "task", "linked")
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[pg_server.Server]:
-    yield from skew.cluster()
-
-
-@pytest.fixture(scope="module")
-def releases(tmp_path_factory: pytest.TempPathFactory) -> skew.Releases:
-    return skew.releases(tmp_path_factory.mktemp("skew"))
-
-
 @pytest.fixture
-def url(cluster: pg_server.Server) -> Iterator[str]:
-    with skew.database(cluster) as made:
+def url(own_cluster: pg_server.Server) -> Iterator[str]:
+    with skew.database(own_cluster) as made:
         yield made
 
 
