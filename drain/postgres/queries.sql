@@ -373,13 +373,18 @@ WHERE c.oid = 'staged_jobs'::regclass;
 -- (NULL: every row of the group is delayed into the future). Times Postgres
 -- holds and an interval cannot ('infinity', BC, a year past 9999, staged by
 -- plain SQL) count as years 1 and 9999 here and in backlog_oldest: an age,
--- never an error that stops every sample.
+-- never an error that stops every sample. The clamp applies to each due row's
+-- time, inside min(): greatest() skips a NULL, so a clamp around min() (or
+-- around a CASE that gives NULL for a row not due) turned "no row is due" into
+-- year 1, an age of 2,026 years.
 SELECT queue, tag, task_name, count(*),
        count(*) FILTER (WHERE not_before > now()),
-       EXTRACT(EPOCH FROM now() - least(greatest(
-           min(CASE WHEN not_before IS NULL THEN staged_at
-                    WHEN not_before <= now() THEN not_before END),
-           '0001-01-01 00:00:00+00'), '9999-12-31 00:00:00+00'))::float8,
+       EXTRACT(EPOCH FROM now() - min(CASE
+           WHEN not_before IS NULL
+               THEN least(greatest(staged_at, '0001-01-01 00:00:00+00'), '9999-12-31 00:00:00+00')
+           WHEN not_before <= now()
+               THEN least(greatest(not_before, '0001-01-01 00:00:00+00'), '9999-12-31 00:00:00+00')
+           END))::float8,
        sum(count(*)) OVER ()::bigint,
        sum(count(*) FILTER (WHERE not_before > now())) OVER ()::bigint,
        count(*) OVER ()
@@ -394,10 +399,12 @@ LIMIT 50;
 -- are the oldest sampled row's: a lower bound.
 SELECT queue, tag, task_name, count(*),
        count(*) FILTER (WHERE not_before > now()),
-       EXTRACT(EPOCH FROM now() - least(greatest(
-           min(CASE WHEN not_before IS NULL THEN staged_at
-                    WHEN not_before <= now() THEN not_before END),
-           '0001-01-01 00:00:00+00'), '9999-12-31 00:00:00+00'))::float8,
+       EXTRACT(EPOCH FROM now() - min(CASE
+           WHEN not_before IS NULL
+               THEN least(greatest(staged_at, '0001-01-01 00:00:00+00'), '9999-12-31 00:00:00+00')
+           WHEN not_before <= now()
+               THEN least(greatest(not_before, '0001-01-01 00:00:00+00'), '9999-12-31 00:00:00+00')
+           END))::float8,
        sum(count(*)) OVER ()::bigint,
        sum(count(*) FILTER (WHERE not_before > now())) OVER ()::bigint,
        count(*) OVER ()
@@ -427,8 +434,8 @@ WITH RECURSIVE heads AS (
         ORDER BY s.priority DESC, s.xact, s.id
         LIMIT 1) AS n
 )
-SELECT (SELECT EXTRACT(EPOCH FROM now() - least(greatest(
-                   min(staged_at), '0001-01-01 00:00:00+00'), '9999-12-31 00:00:00+00'))::float8
+SELECT (SELECT EXTRACT(EPOCH FROM now() - min(least(greatest(
+                   staged_at, '0001-01-01 00:00:00+00'), '9999-12-31 00:00:00+00')))::float8
         FROM heads),
        (SELECT EXTRACT(EPOCH FROM now() - least(greatest(
                    not_before, '0001-01-01 00:00:00+00'), '9999-12-31 00:00:00+00'))::float8

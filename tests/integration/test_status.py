@@ -42,6 +42,28 @@ def test_exact_below_the_threshold(db_url: str) -> None:
     json.dumps(status)  # what `drain status --json` prints: plain JSON types only
 
 
+def test_no_row_due_has_no_age(db_url: str) -> None:
+    """An empty backlog, and one whose rows are all delayed into the future, have no
+    oldest age (the metric reads 0), and neither has such a group; a due row's age is
+    how long it has waited. (A clamp of min() once read "none" as year 1: 2,026 years,
+    and the DrainBacklogOld alert fired on every idle drain.)"""
+    with psycopg.connect(db_url) as conn:
+        empty = drain_status.read(conn, 1)
+        drain.stage(conn, "t.later", [1], queue="later", countdown=3600)
+        conn.commit()
+        later = drain_status.read(conn, 1)
+        drain.stage(conn, "t.now", [1], queue="now")
+        conn.commit()
+        due = drain_status.read(conn, 1)
+    assert empty["backlog"] == 0 and empty["oldest_age_seconds"] is None
+    assert later["oldest_age_seconds"] is None
+    assert [g["oldest_age_seconds"] for g in later["by_group"]] == [None]
+    ages = {g["queue"]: g["oldest_age_seconds"] for g in due["by_group"]}
+    assert ages["later"] is None
+    assert 0 <= ages["now"] < 60
+    assert due["oldest_age_seconds"] is not None and 0 <= due["oldest_age_seconds"] < 60
+
+
 def test_estimated_above_the_threshold(db_url: str) -> None:
     _stage_groups(db_url)
     support.wait_for(lambda: _live_rows_known(db_url, 3000), 30, "n_live_tup = 3000")
