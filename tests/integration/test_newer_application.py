@@ -1,6 +1,7 @@
 """An application newer than its database's schema (issue 38): this package's
-``stage()`` and ``stage_many()`` on a database that an older ``drain migrate``
-made, before the ``trace`` column, inside and outside an OpenTelemetry span.
+``stage()`` and ``stage_many()`` (through psycopg, SQLAlchemy and Django) on a
+database that an older ``drain migrate`` made, before the ``trace`` column,
+inside and outside an OpenTelemetry span.
 
 Before, a job staged inside a span failed its INSERT (no column ``trace``) and
 with it the caller's transaction: 3 of 3 tries rolled back the application's
@@ -100,6 +101,34 @@ def test_through_sqlalchemy_too(before_trace: str, tracer: Any) -> None:
     finally:
         engine.dispose()
     assert _staged(before_trace) == [("t.orm", None)]
+
+
+def test_through_django_too(django_db: str, tracer: Any) -> None:
+    """Django's connection, in an atomic block with a row of the application's own;
+    the session's Django database gets its columns back afterwards."""
+    from django.db import connection, transaction
+
+    with psycopg.connect(django_db, autocommit=True) as conn:
+        conn.execute("ALTER TABLE staged_jobs DROP COLUMN trace")
+        conn.execute("ALTER TABLE dead_jobs DROP COLUMN trace")
+        conn.execute("DELETE FROM staged_jobs")
+    staging._said.clear()
+    try:
+        with transaction.atomic(), tracer.start_as_current_span("request"):
+            with connection.cursor() as cursor:
+                cursor.execute("CREATE TABLE IF NOT EXISTS app_orders (id int)")
+                cursor.execute("INSERT INTO app_orders VALUES (1)")
+            drain.stage(connection, "t.django", [1])
+        assert _staged(django_db) == [("t.django", None)]
+        with psycopg.connect(django_db) as conn:
+            assert conn.execute("SELECT count(*) FROM app_orders").fetchone() == (1,)
+    finally:
+        connection.close()
+        with psycopg.connect(django_db) as conn:
+            conn.execute("DROP TABLE IF EXISTS app_orders")
+            conn.execute("DELETE FROM staged_jobs")
+            conn.commit()
+            migrate(conn)
 
 
 def test_after_drain_migrate_the_context_is_written_again(
