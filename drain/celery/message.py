@@ -8,8 +8,9 @@ field with what the installed Celery publishes.
 
 Building is on the drain's hot path, so the body is assembled from the JSON
 text Postgres already has (``args::text``, ``kwargs::text``) instead of being
-decoded and re-encoded; the arguments are decoded once only for ``argsrepr``
-and ``kwargsrepr``, which Celery shows in logs and monitoring tools.
+decoded and re-encoded. ``argsrepr`` and ``kwargsrepr``, which Celery shows in
+logs and monitoring tools, are read off that text too for plain arguments
+(:func:`json_repr`); others are decoded once for them.
 
 With ``--app`` the app's serializer, compression, repr limits and a task's
 ``shadow_name`` count too (drain.celery.encoding): a JSON app keeps the fast path,
@@ -138,13 +139,7 @@ def build(
     instrumentation puts them in ``apply_async``.
     """
     task_id = str(row.task_id)
-    # As the worker decodes them: kombu's type markers as the types they stand for.
-    args = encoding.decode(row.args_json)
-    kwargs = encoding.decode(row.kwargs_json)
-    limits = _REPR_LIMITS if destination is None else destination.repr_limits
-    # Celery sends ``args or ()``: empty args show as "()", as the worker logs them.
-    argsrepr = task_repr(args, limits[0], limits[2]) if args else "()"
-    kwargsrepr = task_repr(kwargs, limits[1], limits[2])
+    argsrepr, kwargsrepr, args, kwargs = _reprs(row, destination)
     expires: str | None = None
     expiration: str | None = None
     if row.expires_at is not None:
@@ -167,6 +162,8 @@ def build(
         # only orders the drain's fetch: both send the app's.
         priority = min(row.priority, 255) if row.priority > 0 else destination.priority
         if destination.shadow is not None:
+            if args is None:
+                args, kwargs = encoding.decode(row.args_json), encoding.decode(row.kwargs_json)
             shadow = _shadow(destination.shadow, row, args, kwargs)
     headers: dict[str, Any] = {
         "lang": "py",
@@ -242,6 +239,25 @@ def build(
 _REPR_LIMITS = (REPR_MAXSIZE, REPR_MAXSIZE, REPR_MAXLEVELS)
 
 
+def _reprs(row: StagedRow, destination: Destination | None) -> tuple[str, str, Any, Any]:
+    """``argsrepr``, ``kwargsrepr``, and the decoded args and kwargs where they had to
+    be decoded for them (None, None otherwise: :func:`json_repr` read the text)."""
+    limits = _REPR_LIMITS if destination is None else destination.repr_limits
+    # Celery sends ``args or ()``: empty args show as "()", as the worker logs them.
+    argsrepr = "()" if row.args_json == "[]" else json_repr(row.args_json, limits[0], limits[2])
+    kwargsrepr = json_repr(row.kwargs_json, limits[1], limits[2])
+    if argsrepr is not None and kwargsrepr is not None:
+        return argsrepr, kwargsrepr, None, None
+    # As the worker decodes them: kombu's type markers as the types they stand for.
+    args = encoding.decode(row.args_json)
+    kwargs = encoding.decode(row.kwargs_json)
+    if argsrepr is None:
+        argsrepr = task_repr(args, limits[0], limits[2]) if args else "()"
+    if kwargsrepr is None:
+        kwargsrepr = task_repr(kwargs, limits[1], limits[2])
+    return argsrepr, kwargsrepr, args, kwargs
+
+
 def _shadow(shadow_name: Callable[[Any, Any, dict[str, Any]], Any], row: StagedRow,
             args: Any, kwargs: Any) -> str | None:
     """The task's ``shadow_name(args, kwargs, options)``, with the options
@@ -277,6 +293,33 @@ def ascii_json(text: str) -> str:
     Celery would send.
     """
     return text if text.isascii() else _NON_ASCII.sub(_escape, text)
+
+
+#: JSON as Postgres prints a jsonb of plain values: strings with nothing escaped,
+#: integers, and the punctuation (jsonb's own spacing, ", " and ": ", is repr()'s).
+#: A number is taken whole (the lookahead): one way to match, never a backtrack
+#: that splits its digits.
+_PLAIN_JSON = re.compile(r'(?:"[^"\\]*"|-?(?:0|[1-9][0-9]*)(?![0-9])|[\[\]{},: ])*')
+
+
+def json_repr(text: str, maxsize: int = REPR_MAXSIZE,
+              maxlevels: int = REPR_MAXLEVELS) -> str | None:
+    """``task_repr`` of the value the JSON ``text`` (a jsonb's text) decodes to, read
+    off the text itself, or None where that would take decoding.
+
+    For the common arguments (lists and objects of integers and plain strings,
+    nested no deeper than ``maxlevels``) the repr is the text with single quotes
+    for double ones: jsonb prints ", " and ": " as repr() does, and keeps an
+    object's keys in the order decoding gives them. Floats (jsonb keeps their
+    digits, repr() its own), true, false and null, escapes, quotes, kombu's
+    type markers, text longer than ``maxsize`` and deeper nesting (counted by
+    every opening bracket, those inside strings too) go the slow way: None.
+    """
+    if (len(text) > maxsize or "'" in text or text.count("[") + text.count("{") > maxlevels
+            or encoding.MARKER in text or not text.isprintable()
+            or not _PLAIN_JSON.fullmatch(text)):
+        return None
+    return text.replace('"', "'")
 
 
 def task_repr(value: Any, maxsize: int = REPR_MAXSIZE, maxlevels: int = REPR_MAXLEVELS) -> str:
