@@ -162,8 +162,6 @@ def build(
         # only orders the drain's fetch: both send the app's.
         priority = min(row.priority, 255) if row.priority > 0 else destination.priority
         if destination.shadow is not None:
-            if args is None:
-                args, kwargs = encoding.decode(row.args_json), encoding.decode(row.kwargs_json)
             shadow = _shadow(destination.shadow, row, args, kwargs)
     headers: dict[str, Any] = {
         "lang": "py",
@@ -240,13 +238,15 @@ _REPR_LIMITS = (REPR_MAXSIZE, REPR_MAXSIZE, REPR_MAXLEVELS)
 
 
 def _reprs(row: StagedRow, destination: Destination | None) -> tuple[str, str, Any, Any]:
-    """``argsrepr``, ``kwargsrepr``, and the decoded args and kwargs where they had to
-    be decoded for them (None, None otherwise: :func:`json_repr` read the text)."""
+    """``argsrepr``, ``kwargsrepr``, and the decoded args and kwargs where something
+    needs them: the reprs :func:`json_repr` cannot read off the text, or the task's
+    ``shadow_name`` (None, None otherwise)."""
     limits = _REPR_LIMITS if destination is None else destination.repr_limits
     # Celery sends ``args or ()``: empty args show as "()", as the worker logs them.
     argsrepr = "()" if row.args_json == "[]" else json_repr(row.args_json, limits[0], limits[2])
     kwargsrepr = json_repr(row.kwargs_json, limits[1], limits[2])
-    if argsrepr is not None and kwargsrepr is not None:
+    shadowed = destination is not None and destination.shadow is not None
+    if argsrepr is not None and kwargsrepr is not None and not shadowed:
         return argsrepr, kwargsrepr, None, None
     # As the worker decodes them: kombu's type markers as the types they stand for.
     args = encoding.decode(row.args_json)
