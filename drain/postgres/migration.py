@@ -40,11 +40,12 @@ ROLE_PREFIX = re.compile(r"[a-z_][a-z0-9_]{0,54}")
 ROLES_SHARED = "DR001"
 
 
-def check_role_prefix(prefix: str) -> str:
-    """``prefix`` if ``--role-prefix`` may be it, else ConfigError in one line."""
-    if not ROLE_PREFIX.fullmatch(prefix):
+def check_role_prefix(prefix: object, setting: str = "--role-prefix") -> str:
+    """``prefix`` if it may be a role prefix, else ConfigError in one line naming
+    ``setting`` (where it was given: the option, a Django setting...)."""
+    if not isinstance(prefix, str) or not ROLE_PREFIX.fullmatch(prefix):
         raise ConfigError(
-            f"--role-prefix {prefix!r}: give 1 to 55 lowercase letters, digits and _, "
+            f"{setting} {prefix!r}: give 1 to 55 lowercase letters, digits and _, "
             "not starting with a digit (e.g. billing_drain_)")
     return prefix
 

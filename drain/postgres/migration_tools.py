@@ -40,11 +40,7 @@ def check_prefix(prefix: object, setting: str) -> str | None:
     naming ``setting``."""
     if prefix is None or prefix == "":
         return None
-    if not isinstance(prefix, str) or not migration.ROLE_PREFIX.fullmatch(prefix):
-        raise ConfigError(
-            f"{setting} {prefix!r}: give 1 to 55 lowercase letters, digits and _, "
-            "not starting with a digit (e.g. billing_drain_)")
-    return prefix
+    return migration.check_role_prefix(prefix, setting)
 
 
 def apply(conn: Any, *, role_prefix: str | None, tool: str) -> str:
