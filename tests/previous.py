@@ -3,9 +3,9 @@
 The version-skew and rolling-deploy tests (tests/acceptance/test_version_skew.py,
 test_rolling_deploy.py) run this release beside the checkout: its ``drain``
 command, its ``drain migrate`` and its ``stage()``. It is a fixed commit,
-:data:`COMMIT`, exported with ``git archive``, built into a wheel with ``python
--m build`` and installed with its dependencies into a venv of its own, as a
-user's deployment of it is. Nothing of it is checked in.
+:data:`COMMIT`, exported with ``git archive``, built and installed with its
+dependencies into a venv of its own as this checkout's wheel is
+(tests/package/installed.py), as a user's deployment of it is. Nothing of it is checked in.
 
 The build takes half a minute, once: it is kept in ``build/previous/<commit>``
 (``build/`` is ignored by git) and reused by later runs; parallel test workers
@@ -19,16 +19,13 @@ What changed since that release, and what each skew does, is CHANGELOG.md's
 from __future__ import annotations
 
 import fcntl
-import os
 import shutil
 import subprocess
-import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 from tests import support
+from tests.package.installed import Installed, build_and_install, checked
 
 #: 0.1.0: the last commit before the trace column, the recorded schema version and the
 #: per-database role prefix (staging_schema.sql); its roles are named drain_* in every
@@ -39,34 +36,7 @@ VERSION = "0.1.0"
 CACHE = support.ROOT / "build" / "previous"
 
 
-@dataclass(frozen=True)
-class Release:
-    """An installed release: its venv."""
-
-    venv: Path
-
-    @property
-    def python(self) -> str:
-        return str(self.venv / "bin" / "python")
-
-    @property
-    def drain(self) -> str:
-        return str(self.venv / "bin" / "drain")
-
-
-def _run(argv: list[str], what: str, env: dict[str, str] | None = None) -> None:
-    done = subprocess.run(argv, capture_output=True, text=True, check=False,
-                          stdin=subprocess.DEVNULL, env=env)
-    if done.returncode != 0:
-        pytest.fail(f"building drain {VERSION} ({COMMIT[:10]}): {what} exited "
-                    f"{done.returncode}: {(done.stdout + done.stderr)[-2000:]}")
-
-
-def _clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-
-
-def build() -> Release:
+def build() -> Installed:
     """The previous release, built and installed if it is not yet (module docstring)."""
     home = CACHE / COMMIT
     ready = home / "ready"
@@ -74,7 +44,9 @@ def build() -> Release:
     with (CACHE / f"{COMMIT}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if ready.exists():
-            return Release(home / "venv")
+            (wheel,) = (home / "dist").glob("*.whl")
+            (sdist,) = (home / "dist").glob("*.tar.gz")
+            return Installed(wheel, sdist, home / "venv", home / "cwd")
         shutil.rmtree(home, ignore_errors=True)
         src = home / "src"
         src.mkdir(parents=True)
@@ -85,14 +57,7 @@ def build() -> Release:
             pytest.fail(f"git archive {COMMIT[:10]} (drain {VERSION}, the previous release): "
                         f"{archive.stderr.strip()}; the version-skew tests need the project's "
                         "git history (not a shallow clone)")
-        _run(["tar", "-x", "-f", str(tar), "-C", str(src)], "tar")
-        _run([sys.executable, "-m", "build", "--wheel", "--outdir", str(home / "dist"),
-              str(src)], "python -m build", env=_clean_env())
-        (wheel,) = (home / "dist").glob("*.whl")
-        venv = home / "venv"
-        _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], "python -m venv")
-        _run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
-              "--quiet", "--disable-pip-version-check", str(wheel)], "pip install",
-             env=_clean_env())
+        checked(["tar", "-x", "-f", str(tar), "-C", str(src)])
+        release = build_and_install(home, source=src)
         ready.touch()
-        return Release(venv)
+        return release

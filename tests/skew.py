@@ -24,6 +24,7 @@ from typing import Any
 import psycopg
 
 from tests import pg_server, previous, support
+from tests.package.installed import Installed
 
 #: The two releases of every skew.
 PREVIOUS = "previous"
@@ -37,7 +38,7 @@ APP = str(support.ROOT / "tests" / "skew_app.py")
 class Releases:
     """How to run each release's interpreter and ``drain``, and where."""
 
-    previous: previous.Release
+    previous: Installed
     cwd: Path
 
     def python(self, version: str) -> str:

@@ -51,10 +51,11 @@ def checked(argv: list[str], env: dict[str, str] | None = None) -> None:
     assert done.returncode == 0, f"{argv} exited {done.returncode}:\n{done.stderr[-3000:]}"
 
 
-def build_and_install(root: Path) -> Installed:
-    """drain-outbox built from this checkout and installed from its wheel into a clean venv."""
+def build_and_install(root: Path, source: Path = support.ROOT) -> Installed:
+    """drain-outbox built from ``source`` (this checkout; tests/previous.py gives an
+    older release's tree) and installed from its wheel into a clean venv in ``root``."""
     dist = root / "dist"
-    checked([sys.executable, "-m", "build", "--outdir", str(dist), str(support.ROOT)])
+    checked([sys.executable, "-m", "build", "--outdir", str(dist), str(source)])
     (wheel,) = dist.glob("*.whl")
     (sdist,) = dist.glob("*.tar.gz")
     venv = root / "venv"
