@@ -42,6 +42,15 @@ LOAD_LIMIT = 300.0
 
 app = Celery("skew_app", set_as_current=False)
 
+#: docs/staging.md's two plain-SQL recipes, by the name each job's kwargs carry: each
+#: takes args, kwargs and queue, and returns the task id.
+SQL_RECIPES = {
+    "sql": "INSERT INTO staged_jobs (task_name, args, kwargs, queue) "
+           "VALUES ('celery_app.record', %s, %s, %s) RETURNING task_id",
+    "drain_stage": "SELECT drain_stage('celery_app.record', args => %s::jsonb, "
+                   "kwargs => %s::jsonb, queue => %s)",
+}
+
 
 @app.task(base=StagingTask, name="celery_app.record")
 def record(*args: Any, **kwargs: Any) -> None:
@@ -84,18 +93,11 @@ def once(url: str, queue: str, marker: str) -> dict[str, Any]:
         note(record.stage_with(conn, [marker, "linked"], {"way": "linked"}, queue=queue,
                                link=record.s(marker, "callback").set(queue=queue)),
              [marker, "linked"], {"way": "linked"})
-        row = conn.execute(
-            "INSERT INTO staged_jobs (task_name, args, kwargs, queue) "
-            "VALUES ('celery_app.record', %s, '{\"way\": \"sql\"}', %s) RETURNING task_id",
-            [json.dumps([marker, "sql"]), queue]).fetchone()
-        assert row is not None
-        note(row[0], [marker, "sql"], {"way": "sql"})
-        row = conn.execute(
-            "SELECT drain_stage('celery_app.record', args => %s::jsonb, "
-            "kwargs => '{\"way\": \"drain_stage\"}', queue => %s)",
-            [json.dumps([marker, "drain_stage"]), queue]).fetchone()
-        assert row is not None
-        note(row[0], [marker, "drain_stage"], {"way": "drain_stage"})
+        for way, recipe in SQL_RECIPES.items():
+            args, kwargs = [marker, way], {"way": way}
+            row = conn.execute(recipe, [json.dumps(args), json.dumps(kwargs), queue]).fetchone()
+            assert row is not None
+            note(row[0], args, kwargs)
         conn.commit()
         ordered = conn.execute("SELECT count(*) FROM orders WHERE marker = %s",
                                [marker]).fetchone()
