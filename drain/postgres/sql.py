@@ -48,6 +48,10 @@ def schema_path() -> Path:
     return Path(__file__).resolve().parent.parent.parent / "staging_schema.sql"
 
 
+#: The smallest bigint.
+BIGINT_MIN = -(2**63)
+
+
 def int_array(values: Iterable[int]) -> str:
     """``values`` as a Postgres array literal (``{1,2,3}``), for a parameter the
     query casts (``%(ids)s::bigint[]``). psycopg dumps a list of ints one Python

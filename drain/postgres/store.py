@@ -190,7 +190,7 @@ class Store(Session):
         params = fetch_params(limit, exclude=exclude, paused=paused, plan=plan,
                               held_routes=held_routes, **self._lane)
         cur = self._execute("fetch_batch", params)
-        return [StagedRow(*row) for row in cur.fetchall()]  # type: ignore[arg-type]
+        return list(map(StagedRow._make, cur.fetchall()))
 
     def heads(
         self, plan: keyset.FetchPlan, paused: list[str] | None = None,
@@ -355,8 +355,13 @@ def fetch_params(
 ) -> dict[str, object]:
     """The parameters of the ``fetch_batch`` query (no plan: every priority from its head)."""
     plan = plan or keyset.FROM_HEAD
+    exclude = exclude or []
     return {
-        "limit": limit, "exclude": sql.int_array(exclude or ()), "paused": paused or [],
+        "limit": limit, "exclude": sql.int_array(exclude), "paused": paused or [],
+        # The range of ``exclude`` (none: every id is above it): a row outside it is
+        # not compared with each excluded id.
+        "exclude_min": min(exclude, default=0),
+        "exclude_max": max(exclude, default=sql.BIGINT_MIN),
         "held_routes": held_routes or [],
         "priorities": plan.priorities, "mark_xacts": plan.mark_xacts,
         "mark_ids": plan.mark_ids,

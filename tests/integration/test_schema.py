@@ -383,8 +383,8 @@ def test_grants(db_url: str) -> None:
         params = store.fetch_params(10)
         rows = runner.execute(sql.query("fetch_batch"), params).fetchall()
         assert len(rows) == 7
-        [app_row] = [r for r in rows if r[1] == staged]
-        other = next(r for r in rows if r[1] != staged)
+        [app_row] = [r for r in rows if r[1] == str(staged)]
+        other = next(r for r in rows if r[1] != str(staged))
         cur = runner.execute(sql.query("delete_confirmed"),
                              {"ids": [app_row[0]], "xacts": [str(app_row[-1])]})
         assert cur.rowcount == 1

@@ -73,6 +73,34 @@ def test_fetch_walks_the_index_on_a_table_the_planner_knows_nothing_about(db_url
         store.close()
 
 
+def test_fetch_leaves_out_exactly_the_rows_in_flight(db_url: str) -> None:
+    """The rows in flight are left out by their range, then by a hash of their ids
+    (not compared one by one, nor estimated one by one by the planner): whatever
+    their ids, exactly they are left out."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        ids = [r[0] for r in conn.execute(
+            "INSERT INTO staged_jobs (task_name, args) "
+            "SELECT 't', jsonb_build_array(g) FROM generate_series(1, 3000) g RETURNING id")]
+    # Below, inside (scattered: every third id of the middle) and at both ends.
+    in_flight = [ids[0], *ids[1000:2000:3], ids[-1]]
+    store = Store(Settings(database_url=roles.url(db_url, roles.RUNNER)))
+    store.connect()
+    try:
+        conn = store._require()
+        params = fetch_params(5000, exclude=in_flight)
+        fetched = [r[0] for r in conn.execute(sql.query("fetch_batch"), params)]
+        assert sorted(fetched) == sorted(set(ids) - set(in_flight))
+        explained = conn.execute("EXPLAIN (FORMAT JSON) " + sql.query("fetch_batch"),
+                                 params).fetchone()
+        assert explained is not None
+        assert '"Subplan Name": "SubPlan' in json.dumps(explained[0])
+        assert "hashed SubPlan" in json.dumps(explained[0])
+        # Nothing in flight: every row.
+        assert len(conn.execute(sql.query("fetch_batch"), fetch_params(5000)).fetchall()) == 3000
+    finally:
+        store.close()
+
+
 def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
     found = [node]
     for child in node.get("Plans", []):
