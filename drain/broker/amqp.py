@@ -29,6 +29,9 @@ _CORRELATION_ID = 1 << 10
 _REPLY_TO = 1 << 9
 _EXPIRATION = 1 << 8
 
+#: The delivery mode (persistent) and each priority, as the properties end them.
+_FIXED = [bytes((2, priority)) for priority in range(256)]
+
 #: The header carrying a row's tag (Celery passes unknown headers through).
 TAG_HEADER = "drain_tag"
 
@@ -175,6 +178,8 @@ class CeleryPropertiesEncoder:
          self._prefix_unprioritised_expiring) = self._content_prefixes(
              ("application/json", "utf-8"))
         self._reply_to = shortstr(reply_to)
+        #: Task name -> the headers up to the task id's value (:meth:`_head`).
+        self._heads: dict[str, bytes] = {}
 
     def _content_prefixes(self, content: tuple[str, str]) -> tuple[bytes, bytes, bytes, bytes]:
         """The flags and content type and encoding, for: a priority, a priority and
@@ -200,6 +205,13 @@ class CeleryPropertiesEncoder:
             fields.append((shortstr(name) + b"S" if key is None else key)
                           + _pack_I(len(raw)) + raw)
         return b"".join(fields)
+
+    def _head(self, task: str) -> bytes:
+        """The headers up to the task id's value, for ``task`` (kept: task names repeat)."""
+        if len(self._heads) >= 4096:
+            self._heads.clear()
+        head = self._heads[task] = self._c0 + field(task) + self._c1
+        return head
 
     def matches(self, origin: str, reply_to: str) -> bool:
         return origin == self.origin and reply_to == self.reply_to
@@ -227,16 +239,23 @@ class CeleryPropertiesEncoder:
         ``content`` (content type, content encoding) None is JSON; ``compression``
         is the last header, as kombu adds it; ``trace`` (OpenTelemetry's string
         headers) comes before it."""
-        task_id_field = field(task_id)
+        head = self._heads.get(task)
+        if head is None:
+            head = self._head(task)
+        raw_id = task_id.encode()
+        task_id_field = b"S" + _pack_I(len(raw_id)) + raw_id
+        raw_args = argsrepr.encode()
+        raw_kwargs = kwargsrepr.encode()
         inner = b"".join(
             (
-                self._c0, field(task), self._c1, task_id_field,
+                head, task_id_field,
                 self._c2 if shadow is None
                 else self._c2_shadow + field(shadow) + self._c2_after_shadow,
-                field(expires),
+                b"V" if expires is None else field(expires),
                 self._c2b, self._no_timelimit if timelimit is None else field(timelimit),
-                self._c2c, task_id_field, self._c3, field(argsrepr), self._c4,
-                field(kwargsrepr), self._c5, field(ignore_result), self._c5b,
+                self._c2c, task_id_field, self._c3, b"S", _pack_I(len(raw_args)), raw_args,
+                self._c4, b"S", _pack_I(len(raw_kwargs)), raw_kwargs, self._c5,
+                b"V" if ignore_result is None else field(ignore_result), self._c5b,
                 b"" if tag is None else self._tag_key + field(tag),
                 b"" if not trace else self._trace_fields(trace),
                 b"" if compression is None else self._compression_key + field(compression),
@@ -253,10 +272,13 @@ class CeleryPropertiesEncoder:
                       else self._prefix_unprioritised_expiring)
         else:
             prefix = self._prefix if expiration is None else self._prefix_expiring
-        fixed = b"\x02" if priority is None else bytes((2, priority))
+        fixed = (b"\x02" if priority is None else
+                 _FIXED[priority] if 0 <= priority <= 255 else bytes((2, priority)))
+        if len(raw_id) > 255:
+            raise pika.exceptions.ShortStringTooLong(raw_id)
         return b"".join(
             (
-                prefix, _pack_I(len(inner)), inner, fixed, shortstr(task_id),
+                prefix, _pack_I(len(inner)), inner, fixed, bytes((len(raw_id),)), raw_id,
                 self._reply_to, b"" if expiration is None else shortstr(expiration),
             )
         )

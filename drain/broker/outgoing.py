@@ -8,8 +8,9 @@ is also what a pause is keyed by (:class:`PauseKey`, drain.daemon.holds).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
+
+import pika
 
 #: The declaration key (:attr:`Message.queue`) of a message for which nothing is
 #: declared (with ``--app``: a ``Broadcast`` route, a route with an exchange and no
@@ -47,21 +48,37 @@ class PauseKey(NamedTuple):
         return f"exchange {self.exchange!r} routing key {self.routing_key!r}"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Message:
-    """A ready-to-publish AMQP message for one staged row."""
+class Message(NamedTuple):
+    """A ready-to-publish AMQP message for one staged row.
+
+    A tuple: the drain builds one per row it publishes, and a tuple is the
+    cheapest object to make. Its headers and properties exist only in wire
+    form (``encoded_properties``, drain.broker.amqp), which is what the broker
+    gets; :attr:`headers` and :attr:`properties` decode them for whoever wants
+    to look (tests, tools)."""
 
     row_id: int
     task_id: str
     routing_key: str
-    headers: dict[str, Any]
-    properties: dict[str, Any]
     body: bytes
-    #: ``headers`` and ``properties`` in AMQP wire form (see drain.broker.amqp).
+    #: The AMQP content header's properties, headers included, in wire form.
     encoded_properties: bytes
     exchange: str = ""
     #: The queue declared for it ("": ``routing_key``, the row's queue).
     queue: str = ""
+
+    @property
+    def headers(self) -> dict[str, Any]:
+        """The message's headers, decoded from :attr:`encoded_properties`."""
+        return dict(_decoded(self.encoded_properties).headers or {})
+
+    @property
+    def properties(self) -> dict[str, Any]:
+        """Its other properties that are set (content type and encoding, delivery
+        mode, priority, correlation id, reply-to, expiration), by pika's names."""
+        decoded = _decoded(self.encoded_properties)
+        return {name: getattr(decoded, name) for name in _PROPERTY_NAMES
+                if getattr(decoded, name) is not None}
 
     @property
     def declared_queue(self) -> str:
@@ -71,3 +88,14 @@ class Message:
     def pause_key(self) -> PauseKey:
         """What a nack, return or refusal of this message pauses."""
         return PauseKey.of(self.declared_queue, self.exchange, self.routing_key)
+
+
+#: The properties :attr:`Message.properties` shows, in the order the drain sets them.
+_PROPERTY_NAMES = ("content_type", "content_encoding", "delivery_mode", "priority",
+                   "correlation_id", "reply_to", "expiration")
+
+
+def _decoded(encoded: bytes) -> Any:
+    properties = pika.BasicProperties()
+    properties.decode(encoded)
+    return properties

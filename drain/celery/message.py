@@ -146,7 +146,7 @@ def build(
         expires = row.expires_at.astimezone(dt.timezone.utc).isoformat()
         left = row.expires_at.timestamp() - (time.time() if now is None else now)
         expiration = str(int(max(left, 0.0) * 1000))
-    timelimit: list[Any] = [None, None]
+    timelimit: list[Any] | None = None  # [None, None]
     ignore_result: bool | None = None  # "whatever the task says", as with send_task()
     priority: int | None
     shadow: str | None = None
@@ -154,7 +154,8 @@ def build(
     if destination is None:
         priority = amqp_priority(row.priority, max_priority)
     else:
-        timelimit = list(destination.timelimit)
+        if destination.timelimit != (None, None):
+            timelimit = list(destination.timelimit)
         ignore_result = destination.ignore_result
         body_encoding = destination.encoding
         # apply_async(priority=p) sends p whatever the queue; the row's priority 0
@@ -163,31 +164,6 @@ def build(
         priority = min(row.priority, 255) if row.priority > 0 else destination.priority
         if destination.shadow is not None:
             shadow = _shadow(destination.shadow, row, args, kwargs)
-    headers: dict[str, Any] = {
-        "lang": "py",
-        "task": row.task_name,
-        "id": task_id,
-        "shadow": shadow,
-        "eta": None,
-        "expires": expires,
-        "group": None,
-        "group_index": None,
-        "retries": 0,
-        "timelimit": timelimit,
-        "root_id": task_id,
-        "parent_id": None,
-        "argsrepr": argsrepr,
-        "kwargsrepr": kwargsrepr,
-        "origin": origin,
-        "ignore_result": ignore_result,
-        "replaced_task_nesting": 0,
-        "stamped_headers": None,
-        "stamps": {},
-    }
-    if row.tag is not None:
-        headers[amqp.TAG_HEADER] = row.tag
-    if trace:
-        headers.update(trace)
     plain_json = body_encoding.serializer == "json"
     if plain_json:
         embed = _EMBED if row.embed_json is None else ascii_json(row.embed_json)
@@ -197,40 +173,22 @@ def build(
     compression: str | None = None
     if body_encoding.compression is not None:
         body, compression = encoding.compress(body, body_encoding.compression)
-        headers["compression"] = compression
-    properties: dict[str, Any] = {
-        "content_type": body_encoding.content_type,
-        "content_encoding": body_encoding.content_encoding,
-        "delivery_mode": PERSISTENT,
-        "priority": priority,
-        "correlation_id": task_id,
-        "reply_to": reply_to,
-    }
-    if priority is None:
-        del properties["priority"]
-    if expiration is not None:
-        properties["expiration"] = expiration
+    if encoder is None or not encoder.matches(origin, reply_to):
+        encoder = amqp.CeleryPropertiesEncoder(origin=origin, reply_to=reply_to)
     return Message(
-        row_id=row.id,
-        task_id=task_id,
-        routing_key=row.queue if destination is None else destination.routing_key,
-        exchange="" if destination is None else destination.exchange,
-        queue="" if destination is None else destination.queue,
-        headers=headers,
-        properties=properties,
-        body=body,
-        encoded_properties=(
-            encoder.encode(
-                task=row.task_name, task_id=task_id, argsrepr=argsrepr, kwargsrepr=kwargsrepr,
-                expires=expires, tag=row.tag, priority=priority, expiration=expiration,
-                timelimit=timelimit, ignore_result=ignore_result, shadow=shadow,
-                content=(None if plain_json and compression is None else
-                         (body_encoding.content_type, body_encoding.content_encoding)),
-                compression=compression, trace=trace,
-            )
-            if encoder is not None and encoder.matches(origin, reply_to)
-            else amqp.encode_properties(headers=headers, **{"priority": None, **properties})
+        row.id, task_id,
+        row.queue if destination is None else destination.routing_key,
+        body,
+        encoder.encode(
+            task=row.task_name, task_id=task_id, argsrepr=argsrepr, kwargsrepr=kwargsrepr,
+            expires=expires, tag=row.tag, priority=priority, expiration=expiration,
+            timelimit=timelimit, ignore_result=ignore_result, shadow=shadow,
+            content=(None if plain_json and compression is None else
+                     (body_encoding.content_type, body_encoding.content_encoding)),
+            compression=compression, trace=trace,
         ),
+        "" if destination is None else destination.exchange,
+        "" if destination is None else destination.queue,
     )
 
 
@@ -302,6 +260,16 @@ def ascii_json(text: str) -> str:
 _PLAIN_JSON = re.compile(r'(?:"[^"\\]*"|-?(?:0|[1-9][0-9]*)(?![0-9])|[\[\]{},: ])*')
 
 
+#: The characters of a jsonb's text of integers in lists (no strings, no objects:
+#: an object's keys are strings), whose repr is the text itself.
+_INTEGER_LISTS = "[]{}0123456789, -"
+#: :func:`json_repr`'s verdicts on the texts past its limits, by text: arguments
+#: repeat (the same kwargs job after job). Emptied when it grows past
+#: _PLAIN_CACHE_SIZE.
+_plain_cache: dict[str, str | None] = {}
+_PLAIN_CACHE_SIZE = 4096
+
+
 def json_repr(text: str, maxsize: int = REPR_MAXSIZE,
               maxlevels: int = REPR_MAXLEVELS) -> str | None:
     """``task_repr`` of the value the JSON ``text`` (a jsonb's text) decodes to, read
@@ -315,11 +283,23 @@ def json_repr(text: str, maxsize: int = REPR_MAXSIZE,
     type markers, text longer than ``maxsize`` and deeper nesting (counted by
     every opening bracket, those inside strings too) go the slow way: None.
     """
-    if (len(text) > maxsize or "'" in text or text.count("[") + text.count("{") > maxlevels
-            or encoding.MARKER in text or not text.isprintable()
-            or not _PLAIN_JSON.fullmatch(text)):
+    if len(text) > maxsize or text.count("[") + text.count("{") > maxlevels:
         return None
-    return text.replace('"', "'")
+    if not text.strip(_INTEGER_LISTS):
+        # Integers in lists (and empty objects: any other has string keys; the
+        # text is valid JSON): the repr is the text.
+        return text
+    try:
+        return _plain_cache[text]
+    except KeyError:
+        pass
+    found = (None if ("'" in text or encoding.MARKER in text or not text.isprintable()
+                      or not _PLAIN_JSON.fullmatch(text))
+             else text.replace('"', "'"))
+    if len(_plain_cache) >= _PLAIN_CACHE_SIZE:
+        _plain_cache.clear()
+    _plain_cache[text] = found
+    return found
 
 
 def task_repr(value: Any, maxsize: int = REPR_MAXSIZE, maxlevels: int = REPR_MAXLEVELS) -> str:

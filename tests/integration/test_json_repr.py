@@ -48,7 +48,9 @@ def test_the_shortcut_equals_saferepr_wherever_it_answers(db_url: str) -> None:
     rng = random.Random(38)
     values = [[_value(rng)] for _ in range(1500)] + [
         {"i": rng.randrange(1000)} for _ in range(200)] + [
-        _value(rng) for _ in range(1500)]
+        _value(rng) for _ in range(1500)] + [
+        # Integers in lists, empty objects: read off the text as it is.
+        [1, [2, [3, [4]]]], [{}, [], {}], [-5, 0, 2**70], [[], [[]]], [[[[]]]], {}]
     answered = 0
     with psycopg.connect(db_url) as conn:
         for value in values:
