@@ -13,6 +13,8 @@ waiting for theirs (over many queues, RabbitMQ confirms out of order).
 from __future__ import annotations
 
 import dataclasses
+import operator
+from collections.abc import Iterable
 
 from drain.broker.outgoing import Message, PauseKey
 from drain.broker.refusal import ACKED, NACKED, RESOLVED, RETURNED, Refusal
@@ -117,12 +119,22 @@ def report(batch: Batch, error: BrokerUnavailable | None = None, *,
         len(nacked),
         error,
         returned_keys={m.pause_key for m in returned},
-        confirmed_keys={messages[i].pause_key for i in confirmed},
+        confirmed_keys=_keys(messages[i] for i in confirmed),
         returned_to={m.row_id: m.pause_key for m in returned},
         refused=[(messages[i], refusals[i]) for i in picked if i in refusals],
-        nacked_keys={messages[i].pause_key for i in nacked},
+        nacked_keys=_keys(messages[i] for i in nacked),
     )
     for i in picked:
         status[i] |= REPORTED
     batch.reported += len(picked)
     return result
+
+
+#: Where a message goes: what its pause key is made of (:attr:`Message.pause_key`).
+_WHERE = operator.attrgetter("queue", "exchange", "routing_key")
+
+
+def _keys(messages: Iterable[Message]) -> set[PauseKey]:
+    """The pause keys of ``messages``: thousands of messages, a few keys, each made once."""
+    return {PauseKey.of(queue or routing_key, exchange, routing_key)
+            for queue, exchange, routing_key in set(map(_WHERE, messages))}

@@ -122,7 +122,13 @@ class Window:
                 continue
             statuses = batch.status
             batch.answered_at = now
-            for i in range(max(first - batch.base - 1, 0), min(tag - batch.base, size)):
+            start, end = max(first - batch.base - 1, 0), min(tag - batch.base, size)
+            if statuses.count(0, start, end) == end - start:
+                # None answered nor returned yet (a multiple ack, mostly): all at once.
+                statuses[start:end] = bytes((status,)) * (end - start)
+                batch.resolved += end - start
+                continue
+            for i in range(start, end):
                 if not statuses[i] & RESOLVED:
                     statuses[i] |= status
                     batch.resolved += 1

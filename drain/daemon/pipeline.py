@@ -279,17 +279,24 @@ class Pipeline:
         accept is not even routed (drain.celery.unsendable)."""
         rows = unsendable.screen(rows, doomed, time.time())
         destinations = self._route(rows, doomed) if self.router is not None else {}
-        # Each row with the queue declared for it and its pause key, worked out once.
+        # Each row with the queue declared for it and its pause key, worked out once
+        # (one key per queue: a batch has thousands of rows and a few queues).
         targets: list[tuple[StagedRow, str, PauseKey]] = []
+        keys: dict[str, PauseKey] = {}
         for row in rows:
             if self.router is None:
-                targets.append((row, row.queue, PauseKey(row.queue)))
+                queue = row.queue
+                key = keys.get(queue)
+                if key is None:
+                    key = keys[queue] = PauseKey(queue)
+                targets.append((row, queue, key))
             elif row.id in destinations:
                 where = destinations[row.id]
                 targets.append((row, where.queue,
                                 PauseKey.of(where.queue, where.exchange, where.routing_key)))
         paused = set(self.holds.now_paused())
-        wanted = {queue for _, queue, key in targets if key not in paused}
+        wanted = ({queue for _, queue, key in targets if key not in paused} if paused
+                  else {queue for _, queue, _ in targets})
         refused = self._publisher.declare(wanted, until=time.monotonic() + piles.DECLARE_BUDGET)
         self.refusals.pause(refused)
         # Queues left for the next batches (drain.daemon.piles): their rows stay staged,
@@ -298,14 +305,17 @@ class Pipeline:
         self._deferred = bool(later)
         paused = set(self.holds.now_paused())
         by_route = self.router is not None and self.router.static
-        for row, _, key in targets:
-            self.holds.rows.pop(row.id, None)
-            if key in paused:
-                self.holds.rows[row.id] = key  # out of the fetch while it is paused
-                self.piles.hold(row, key, by_route=by_route)
-                self._heads_at = 0.0  # the next look lets the marks pass it
-        publishable = [(row, queue) for row, queue, key in targets
-                       if key not in paused and queue not in later]
+        held = self.holds.rows
+        if held or paused:  # else nothing to forget or to hold: spare a pass per row
+            for row, _, key in targets:
+                held.pop(row.id, None)
+                if key in paused:
+                    held[row.id] = key  # out of the fetch while it is paused
+                    self.piles.hold(row, key, by_route=by_route)
+                    self._heads_at = 0.0  # the next look lets the marks pass it
+        publishable = ([(row, queue) for row, queue, key in targets
+                        if key not in paused and queue not in later] if paused or later
+                       else [(row, queue) for row, queue, _ in targets])
         if not publishable:
             return None
         self._prove_lock()
@@ -369,12 +379,16 @@ class Pipeline:
         now = time.time()
         limit = self.settings.max_message_size
         tracing = self.tracing
+        # No SDK and contexts not forwarded: no row is traced (spare a call per row).
+        untraced = tracing.tracer is None and tracing.mode == "none"
+        build = self.builder.build
         for row in rows:
-            destination = destinations.get(row.id)
-            traced = tracing.message(row, destination, now)
+            destination = destinations.get(row.id) if destinations else None
+            traced = (None if untraced or (row.trace_json is None and tracing.tracer is None)
+                      else tracing.message(row, destination, now))
             try:
-                built = self.builder.build(row, now=now, destination=destination,
-                                           trace=None if traced is None else traced.headers)
+                built = build(row, now=now, destination=destination,
+                              trace=None if traced is None else traced.headers)
             except Exception as exc:
                 if traced is not None:
                     tracing.failed(traced, exc)

@@ -116,10 +116,12 @@ class Settle:
         """Keep the rows whose removal waits for a lock, forget the ones that went or
         changed, and say when rows start or stop waiting."""
         before = len(self.pending_delete) + len(self.pending_bury)
-        for row_id in [*deleted.done, *deleted.left]:
-            self.pending_delete.pop(row_id, None)
-        for row_id in [*expired.done, *expired.left, *buried.done, *buried.left]:
-            self.pending_bury.pop(row_id, None)
+        if self.pending_delete:
+            for row_id in [*deleted.done, *deleted.left]:
+                self.pending_delete.pop(row_id, None)
+        if self.pending_bury:
+            for row_id in [*expired.done, *expired.left, *buried.done, *buried.left]:
+                self.pending_bury.pop(row_id, None)
         self.pending_delete.update(deleted.pending)
         for row_id, xact in buried.pending.items():
             self.pending_bury[row_id] = (xact, *reasons[row_id])
