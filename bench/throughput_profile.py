@@ -19,9 +19,9 @@ from harness import BROKER_URL, RESULTS, ROOT, declare_queue, delete_queue, stag
 
 #: "function (file:line)" as py-spy writes a frame.
 FRAME = re.compile(r"^(?P<function>.*) \((?P<file>[^()]*?)(?::\d+)?\)$")
-DRAIN_FILE = re.compile(r"(^|/)drain/[^/]+\.py$")
+DRAIN_FILE = re.compile(r"(^|/)drain/(?:[^/]+/)*[^/]+\.py$")
 #: Frames of the process's entry (runpy, the CLI): on every stack, they tell nothing.
-ENTRY_FILE = re.compile(r"^<frozen runpy>$|(^|/)drain/(__main__|cli)\.py$")
+ENTRY_FILE = re.compile(r"^<frozen runpy>$|(^|/)drain/(__main__|cli/main)\.py$")
 #: Leaf frames that are the drain blocked on a socket, not working.
 BROKER_WAIT = re.compile(r"^\w*Poller\.poll \(pika/")
 POSTGRES_WAIT = re.compile(r"^(Connection\.wait \(psycopg/|wait\w* \(psycopg/waiting)")
