@@ -11,18 +11,39 @@ from pathlib import Path
 _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
 
+#: The longest query psycopg (3.x) keeps converted (its ``%(name)s`` placeholders to
+#: ``$n``); a longer one is parsed again at every execution (~0.3 ms for the fetch).
+PSYCOPG_CACHED_LENGTH = 4096
+
+
 def parse(text: str) -> dict[str, str]:
-    """Split a ``-- name: x`` file into ``{name: query}``; comments are kept."""
+    """Split a ``-- name: x`` file into ``{name: query}``, each :func:`compact`."""
     parts = _HEADER.split(text)
     queries: dict[str, str] = {}
     for name, body in zip(parts[1::2], parts[2::2], strict=True):
         if name in queries:
             raise ValueError(f"query {name!r} is defined twice")
-        query = body.strip()
+        query = compact(body)
         if not query:
             raise ValueError(f"query {name!r} is empty")
         queries[name] = query
     return queries
+
+
+def compact(query: str) -> str:
+    """``query`` without its comments, indentation and blank lines: what the file
+    explains is for its readers, and a shorter text stays within what psycopg
+    keeps converted (PSYCOPG_CACHED_LENGTH). Quoted literals are kept whole; with
+    one that goes on over lines, the lines keep their indentation."""
+    code = _COMMENT_OR_LITERAL.sub(lambda m: m.group(1) or "", query)
+    if any("\n" in literal for literal in _LITERAL.findall(code)):
+        return code.strip()
+    return "\n".join(line.strip() for line in code.splitlines() if line.strip())
+
+
+#: A quoted literal (kept) or a ``--`` comment to the end of its line (dropped).
+_COMMENT_OR_LITERAL = re.compile(r"('(?:[^']|'')*')|--[^\n]*")
+_LITERAL = re.compile(r"'(?:[^']|'')*'")
 
 
 @functools.cache

@@ -9,7 +9,22 @@ from drain.postgres import sql
 
 def test_parse() -> None:
     text = "-- intro\n-- name: a\nSELECT 1;\n\n-- name: b\n-- comment\nSELECT 2;\n"
-    assert sql.parse(text) == {"a": "SELECT 1;", "b": "-- comment\nSELECT 2;"}
+    assert sql.parse(text) == {"a": "SELECT 1;", "b": "SELECT 2;"}
+
+
+def test_compact_keeps_the_code_and_its_literals() -> None:
+    query = "-- what it does\nSELECT a,  -- the id\n    'x -- y''s' AS b, -- more\n\nFROM t;"
+    assert sql.compact(query) == "SELECT a,\n'x -- y''s' AS b,\nFROM t;"
+    # A literal over lines keeps its lines as they are.
+    query = "SELECT 'one\n  -- two' AS c -- gone\n  FROM t;"
+    assert sql.compact(query) == "SELECT 'one\n  -- two' AS c \n  FROM t;"
+
+
+def test_every_query_stays_within_what_psycopg_keeps_converted() -> None:
+    """A longer query would be parsed again at each execution: the fetch, once per batch."""
+    long = {name: len(q) for name, q in sql.queries().items()
+            if len(q) > sql.PSYCOPG_CACHED_LENGTH}
+    assert not long, long
 
 
 @pytest.mark.parametrize(
