@@ -300,10 +300,12 @@ class Session:
         return got
 
     def _execute(
-        self, name: str, params: dict[str, object] | None = None
+        self, name: str, params: dict[str, object] | None = None, *, binary: bool = False
     ) -> psycopg.Cursor[tuple[object, ...]]:
+        """Run the query ``name``; ``binary``: its results in binary form (numbers,
+        booleans and times cost less to read so)."""
         query = self._query(name)
-        return self._guarded(lambda conn: conn.execute(query, params))
+        return self._guarded(lambda conn: conn.execute(query, params, binary=binary))
 
     def _execute_all(
         self, commands: Sequence[tuple[str, dict[str, object] | None]]
