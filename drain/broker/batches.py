@@ -47,13 +47,24 @@ class Batch:
     #: are slow to be answered, and the drain goes on without waiting for them.
     lingered: bool = False
 
+    #: :attr:`row_ids`, kept while neither the messages nor the reported ones change.
+    _row_ids: tuple[tuple[int, int], list[int]] | None = dataclasses.field(
+        default=None, repr=False)
+
     @property
     def row_ids(self) -> list[int]:
-        """The rows still in flight: published and not reported yet."""
+        """The rows still in flight: published and not reported yet (each cycle
+        asks twice for every batch in flight; the list must not be changed)."""
+        key = (self.reported, len(self.messages))
+        if self._row_ids is not None and self._row_ids[0] == key:
+            return self._row_ids[1]
         if not self.reported:
-            return [m.row_id for m in self.messages]
-        status = self.status
-        return [m.row_id for i, m in enumerate(self.messages) if not status[i] & REPORTED]
+            ids = [m.row_id for m in self.messages]
+        else:
+            status = self.status
+            ids = [m.row_id for i, m in enumerate(self.messages) if not status[i] & REPORTED]
+        self._row_ids = (key, ids)
+        return ids
 
     @property
     def unresolved(self) -> int:

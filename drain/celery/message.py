@@ -96,9 +96,7 @@ class Builder:
     def build(self, row: StagedRow, now: float | None = None,
               destination: Destination | None = None,
               trace: dict[str, str] | None = None) -> Message:
-        return build(row, origin=self.origin, reply_to=self.reply_to,
-                     max_priority=self.max_priority, now=now, encoder=self._encoder,
-                     destination=destination, trace=trace)
+        return _build(row, self._encoder, self.max_priority, now, destination, trace=trace)
 
 
 def amqp_priority(priority: int, max_priority: int) -> int:
@@ -138,6 +136,15 @@ def build(
     ``baggage``; drain.daemon.tracing), after the others, where Celery's
     instrumentation puts them in ``apply_async``.
     """
+    if encoder is None or not encoder.matches(origin, reply_to):
+        encoder = amqp.CeleryPropertiesEncoder(origin=origin, reply_to=reply_to)
+    return _build(row, encoder, max_priority, now, destination, trace=trace)
+
+
+def _build(row: StagedRow, encoder: amqp.CeleryPropertiesEncoder, max_priority: int,
+           now: float | None, destination: Destination | None, *,
+           trace: dict[str, str] | None) -> Message:
+    """:func:`build`, with the encoder of its origin and reply-to (a Builder's own)."""
     task_id = str(row.task_id)
     argsrepr, kwargsrepr, args, kwargs = _reprs(row, destination)
     expires: str | None = None
@@ -152,7 +159,7 @@ def build(
     shadow: str | None = None
     body_encoding = JSON
     if destination is None:
-        priority = amqp_priority(row.priority, max_priority)
+        priority = 0 if max_priority <= 0 else amqp_priority(row.priority, max_priority)
     else:
         if destination.timelimit != (None, None):
             timelimit = list(destination.timelimit)
@@ -167,14 +174,15 @@ def build(
     plain_json = body_encoding.serializer == "json"
     if plain_json:
         embed = _EMBED if row.embed_json is None else ascii_json(row.embed_json)
-        body = f"[{ascii_json(row.args_json)}, {ascii_json(row.kwargs_json)}, {embed}]".encode()
+        args_json, kwargs_json = row.args_json, row.kwargs_json
+        if not (args_json.isascii() and kwargs_json.isascii()):
+            args_json, kwargs_json = ascii_json(args_json), ascii_json(kwargs_json)
+        body = f"[{args_json}, {kwargs_json}, {embed}]".encode()
     else:
         body = encoding.serialize(body_encoding, row.args_json, row.kwargs_json, row.embed_json)
     compression: str | None = None
     if body_encoding.compression is not None:
         body, compression = encoding.compress(body, body_encoding.compression)
-    if encoder is None or not encoder.matches(origin, reply_to):
-        encoder = amqp.CeleryPropertiesEncoder(origin=origin, reply_to=reply_to)
     return Message(
         row.id, task_id,
         row.queue if destination is None else destination.routing_key,

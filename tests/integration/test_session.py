@@ -88,7 +88,7 @@ def test_fetch_leaves_out_exactly_the_rows_in_flight(db_url: str) -> None:
     try:
         conn = store._require()
         params = fetch_params(5000, exclude=in_flight)
-        fetched = [r[0] for r in conn.execute(sql.query("fetch_batch"), params)]
+        fetched = [int(str(r[0])) for r in conn.execute(sql.query("fetch_batch"), params)]
         assert sorted(fetched) == sorted(set(ids) - set(in_flight))
         explained = conn.execute("EXPLAIN (FORMAT JSON) " + sql.query("fetch_batch"),
                                  params).fetchone()
