@@ -40,10 +40,6 @@ from drain.postgres.rows import StagedRow
 REPR_MAXSIZE = 1024
 REPR_MAXLEVELS = 3
 
-CONTENT_TYPE = "application/json"
-CONTENT_ENCODING = "utf-8"
-PERSISTENT = 2
-
 _EMBED = '{"callbacks": null, "errbacks": null, "chain": null, "chord": null}'
 
 
@@ -268,8 +264,8 @@ def ascii_json(text: str) -> str:
 _PLAIN_JSON = re.compile(r'(?:"[^"\\]*"|-?(?:0|[1-9][0-9]*)(?![0-9])|[\[\]{},: ])*')
 
 
-#: The characters of a jsonb's text of integers in lists (no strings, no objects:
-#: an object's keys are strings), whose repr is the text itself.
+#: The characters of a jsonb's text of integers in lists and empty objects (no
+#: strings: any other object has string keys), whose repr is the text itself.
 _INTEGER_LISTS = "[]{}0123456789, -"
 #: :func:`json_repr`'s verdicts on the texts past its limits, by text: arguments
 #: repeat (the same kwargs job after job). Emptied when it grows past
