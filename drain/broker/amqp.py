@@ -29,9 +29,6 @@ _CORRELATION_ID = 1 << 10
 _REPLY_TO = 1 << 9
 _EXPIRATION = 1 << 8
 
-#: The delivery mode (persistent) and each priority, as the properties end them.
-_FIXED = [bytes((2, priority)) for priority in range(256)]
-
 #: The header carrying a row's tag (Celery passes unknown headers through).
 TAG_HEADER = "drain_tag"
 
@@ -242,20 +239,16 @@ class CeleryPropertiesEncoder:
         head = self._heads.get(task)
         if head is None:
             head = self._head(task)
-        raw_id = task_id.encode()
-        task_id_field = b"S" + _pack_I(len(raw_id)) + raw_id
-        raw_args = argsrepr.encode()
-        raw_kwargs = kwargsrepr.encode()
+        task_id_field = field(task_id)
         inner = b"".join(
             (
                 head, task_id_field,
                 self._c2 if shadow is None
                 else self._c2_shadow + field(shadow) + self._c2_after_shadow,
-                b"V" if expires is None else field(expires),
+                field(expires),
                 self._c2b, self._no_timelimit if timelimit is None else field(timelimit),
-                self._c2c, task_id_field, self._c3, b"S", _pack_I(len(raw_args)), raw_args,
-                self._c4, b"S", _pack_I(len(raw_kwargs)), raw_kwargs, self._c5,
-                b"V" if ignore_result is None else field(ignore_result), self._c5b,
+                self._c2c, task_id_field, self._c3, field(argsrepr), self._c4,
+                field(kwargsrepr), self._c5, field(ignore_result), self._c5b,
                 b"" if tag is None else self._tag_key + field(tag),
                 b"" if not trace else self._trace_fields(trace),
                 b"" if compression is None else self._compression_key + field(compression),
@@ -272,13 +265,10 @@ class CeleryPropertiesEncoder:
                       else self._prefix_unprioritised_expiring)
         else:
             prefix = self._prefix if expiration is None else self._prefix_expiring
-        fixed = (b"\x02" if priority is None else
-                 _FIXED[priority] if 0 <= priority <= 255 else bytes((2, priority)))
-        if len(raw_id) > 255:
-            raise pika.exceptions.ShortStringTooLong(raw_id)
+        fixed = b"\x02" if priority is None else bytes((2, priority))
         return b"".join(
             (
-                prefix, _pack_I(len(inner)), inner, fixed, bytes((len(raw_id),)), raw_id,
+                prefix, _pack_I(len(inner)), inner, fixed, shortstr(task_id),
                 self._reply_to, b"" if expiration is None else shortstr(expiration),
             )
         )

@@ -155,7 +155,7 @@ def _build(row: StagedRow, encoder: amqp.CeleryPropertiesEncoder, max_priority: 
     shadow: str | None = None
     body_encoding = JSON
     if destination is None:
-        priority = 0 if max_priority <= 0 else amqp_priority(row.priority, max_priority)
+        priority = amqp_priority(row.priority, max_priority)
     else:
         if destination.timelimit != (None, None):
             timelimit = list(destination.timelimit)
@@ -170,10 +170,7 @@ def _build(row: StagedRow, encoder: amqp.CeleryPropertiesEncoder, max_priority: 
     plain_json = body_encoding.serializer == "json"
     if plain_json:
         embed = _EMBED if row.embed_json is None else ascii_json(row.embed_json)
-        args_json, kwargs_json = row.args_json, row.kwargs_json
-        if not (args_json.isascii() and kwargs_json.isascii()):
-            args_json, kwargs_json = ascii_json(args_json), ascii_json(kwargs_json)
-        body = f"[{args_json}, {kwargs_json}, {embed}]".encode()
+        body = f"[{ascii_json(row.args_json)}, {ascii_json(row.kwargs_json)}, {embed}]".encode()
     else:
         body = encoding.serialize(body_encoding, row.args_json, row.kwargs_json, row.embed_json)
     compression: str | None = None
