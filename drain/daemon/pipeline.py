@@ -295,8 +295,7 @@ class Pipeline:
                 targets.append((row, where.queue,
                                 PauseKey.of(where.queue, where.exchange, where.routing_key)))
         paused = set(self.holds.now_paused())
-        wanted = ({queue for _, queue, key in targets if key not in paused} if paused
-                  else {queue for _, queue, _ in targets})
+        wanted = {queue for _, queue, key in targets if key not in paused}
         refused = self._publisher.declare(wanted, until=time.monotonic() + piles.DECLARE_BUDGET)
         self.refusals.pause(refused)
         # Queues left for the next batches (drain.daemon.piles): their rows stay staged,
@@ -313,9 +312,8 @@ class Pipeline:
                     held[row.id] = key  # out of the fetch while it is paused
                     self.piles.hold(row, key, by_route=by_route)
                     self._heads_at = 0.0  # the next look lets the marks pass it
-        publishable = ([(row, queue) for row, queue, key in targets
-                        if key not in paused and queue not in later] if paused or later
-                       else [(row, queue) for row, queue, _ in targets])
+        publishable = [(row, queue) for row, queue, key in targets
+                       if key not in paused and queue not in later]
         if not publishable:
             return None
         self._prove_lock()
@@ -379,13 +377,11 @@ class Pipeline:
         now = time.time()
         limit = self.settings.max_message_size
         tracing = self.tracing
-        # No SDK and contexts not forwarded: no row is traced (spare a call per row).
-        untraced = tracing.tracer is None and tracing.mode == "none"
+        traced_batch = tracing.batch_traced  # else no row is: spare a call per row
         build = self.builder.build
         for row in rows:
             destination = destinations.get(row.id) if destinations else None
-            traced = (None if untraced or (row.trace_json is None and tracing.tracer is None)
-                      else tracing.message(row, destination, now))
+            traced = tracing.message(row, destination, now) if traced_batch else None
             try:
                 built = build(row, now=now, destination=destination,
                               trace=None if traced is None else traced.headers)
