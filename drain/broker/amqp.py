@@ -14,6 +14,7 @@ pika's ``encode_value`` so that they are, by construction, identical too.
 
 from __future__ import annotations
 
+import functools
 import struct
 from typing import Any
 
@@ -175,8 +176,9 @@ class CeleryPropertiesEncoder:
          self._prefix_unprioritised_expiring) = self._content_prefixes(
              ("application/json", "utf-8"))
         self._reply_to = shortstr(reply_to)
-        #: Task name -> the headers up to the task id's value (:meth:`_head`).
-        self._heads: dict[str, bytes] = {}
+        #: The headers up to the task id's value, for a task name (kept: names repeat).
+        self._head = functools.lru_cache(maxsize=4096)(
+            lambda task: self._c0 + field(task) + self._c1)
 
     def _content_prefixes(self, content: tuple[str, str]) -> tuple[bytes, bytes, bytes, bytes]:
         """The flags and content type and encoding, for: a priority, a priority and
@@ -202,13 +204,6 @@ class CeleryPropertiesEncoder:
             fields.append((shortstr(name) + b"S" if key is None else key)
                           + _pack_I(len(raw)) + raw)
         return b"".join(fields)
-
-    def _head(self, task: str) -> bytes:
-        """The headers up to the task id's value, for ``task`` (kept: task names repeat)."""
-        if len(self._heads) >= 4096:
-            self._heads.clear()
-        head = self._heads[task] = self._c0 + field(task) + self._c1
-        return head
 
     def matches(self, origin: str, reply_to: str) -> bool:
         return origin == self.origin and reply_to == self.reply_to
@@ -236,13 +231,10 @@ class CeleryPropertiesEncoder:
         ``content`` (content type, content encoding) None is JSON; ``compression``
         is the last header, as kombu adds it; ``trace`` (OpenTelemetry's string
         headers) comes before it."""
-        head = self._heads.get(task)
-        if head is None:
-            head = self._head(task)
         task_id_field = field(task_id)
         inner = b"".join(
             (
-                head, task_id_field,
+                self._head(task), task_id_field,
                 self._c2 if shadow is None
                 else self._c2_shadow + field(shadow) + self._c2_after_shadow,
                 field(expires),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import os
 import re
 import socket
@@ -264,11 +265,6 @@ _PLAIN_JSON = re.compile(r'(?:"[^"\\]*"|-?(?:0|[1-9][0-9]*)(?![0-9])|[\[\]{},: ]
 #: The characters of a jsonb's text of integers in lists and empty objects (no
 #: strings: any other object has string keys), whose repr is the text itself.
 _INTEGER_LISTS = "[]{}0123456789, -"
-#: :func:`json_repr`'s verdicts on the texts past its limits, by text: arguments
-#: repeat (the same kwargs job after job). Emptied when it grows past
-#: _PLAIN_CACHE_SIZE.
-_plain_cache: dict[str, str | None] = {}
-_PLAIN_CACHE_SIZE = 4096
 
 
 def json_repr(text: str, maxsize: int = REPR_MAXSIZE,
@@ -290,17 +286,17 @@ def json_repr(text: str, maxsize: int = REPR_MAXSIZE,
         # Integers in lists (and empty objects: any other has string keys; the
         # text is valid JSON): the repr is the text.
         return text
-    try:
-        return _plain_cache[text]
-    except KeyError:
-        pass
-    found = (None if ("'" in text or encoding.MARKER in text or not text.isprintable()
-                      or not _PLAIN_JSON.fullmatch(text))
-             else text.replace('"', "'"))
-    if len(_plain_cache) >= _PLAIN_CACHE_SIZE:
-        _plain_cache.clear()
-    _plain_cache[text] = found
-    return found
+    return _plain_repr(text)
+
+
+@functools.lru_cache(maxsize=4096)  # arguments repeat: the same kwargs job after job
+def _plain_repr(text: str) -> str | None:
+    """:func:`json_repr` of a text within its limits: the text with single quotes,
+    if it is plain JSON as json_repr reads it, else None."""
+    if ("'" in text or encoding.MARKER in text or not text.isprintable()
+            or not _PLAIN_JSON.fullmatch(text)):
+        return None
+    return text.replace('"', "'")
 
 
 def task_repr(value: Any, maxsize: int = REPR_MAXSIZE, maxlevels: int = REPR_MAXLEVELS) -> str:
