@@ -95,12 +95,42 @@ start_installed_postgres() {  # fails only when no cluster could be started
     return "$started"
 }
 
+# RabbitMQ keeps a file open per queue it writes to; with fewer descriptors than
+# queues, its queues wait on each other for a file handle (the broker logs "Please
+# increase max open file handles limit"). Its production guide asks for 65,536 or
+# more; run as root, Debian's rabbitmq-server goes through su, whose PAM limits
+# give it 1,024. At 10,000 queues that made the drain 10 x slower (docs/performance.md).
+RABBITMQ_NOFILE=65536
+
 start_installed_rabbitmq() {
-    local log=${TMPDIR:-/tmp}/drain-rabbitmq-start.log
+    local log=${TMPDIR:-/tmp}/drain-rabbitmq-start.log nofile
+    nofile=$(ulimit -Hn)
+    if [[ $nofile == unlimited ]] || ((nofile > RABBITMQ_NOFILE)); then
+        nofile=$RABBITMQ_NOFILE
+    fi
     # -detached returns at once; the broker needs 10-20 s before it answers.
-    if ! rabbitmq-server -detached >"$log" 2>&1; then
+    if [[ $(id -u) == 0 ]] && id -u rabbitmq >/dev/null 2>&1 && command -v setpriv >/dev/null; then
+        # As the rabbitmq user without su, so that the raised limit holds.
+        if ! (cd /var/lib/rabbitmq && ulimit -n "$nofile" \
+                && HOME=/var/lib/rabbitmq setpriv --reuid rabbitmq --regid rabbitmq \
+                    --init-groups rabbitmq-server -detached) >"$log" 2>&1; then
+            say "rabbitmq: rabbitmq-server -detached failed (see $log)"
+            return 1
+        fi
+    elif ! (ulimit -n "$nofile" 2>/dev/null; rabbitmq-server -detached) >"$log" 2>&1; then
         say "rabbitmq: rabbitmq-server -detached failed (see $log)"
         return 1
+    fi
+}
+
+# A local broker started some other way: say so when it has few file descriptors.
+warn_rabbitmq_nofile() {
+    local pid limit
+    pid=$(pgrep -o -f 'beam.*rabbit' 2>/dev/null) || return 0
+    limit=$(awk '/^Max open files/ {print $4}' "/proc/$pid/limits" 2>/dev/null) || return 0
+    if [[ $limit =~ ^[0-9]+$ ]] && ((limit < 10000)); then
+        say "rabbitmq: note: the broker may open only $limit files (soft limit); with more" \
+            "queues than that it slows down. RabbitMQ asks for $RABBITMQ_NOFILE or more."
     fi
 }
 
@@ -203,6 +233,9 @@ ensure() {  # service host port apt-package
 status=0
 ensure postgres "$PG_HOST" "$PG_PORT" postgresql || status=1
 ensure rabbitmq "$AMQP_HOST" "$AMQP_PORT" rabbitmq-server || status=1
+if is_local "$AMQP_HOST"; then
+    warn_rabbitmq_nofile
+fi
 
 # -- Spark (drain backfill / reconcile, tests/spark): Java and the Postgres JDBC jar -----
 # Optional: never fails this script. Without Java the Spark tests skip; without the
