@@ -161,7 +161,28 @@ def queues(count: int, good: int) -> dict[str, Any]:
                                + raw_pika(messages, pre_encoded=True,
                                           window=depth[0] * depth[1]))
                 delete_queues(names)
-        return {"x": count, "rate": good / min(drain), "raw_rate": good / min(raw)}
+        return {"x": count, "rate": good / min(drain), "raw_rate": good / min(raw),
+                "broker_nofile": broker_nofile(count)}
+
+
+def broker_nofile(queues: int) -> int | None:
+    """The local RabbitMQ's file descriptor limit (None: no local broker to read).
+    Below the number of queues, its queues wait on each other for file handles and
+    the point measures that (docs/running.md): said on stderr."""
+    found = subprocess.run(["pgrep", "-o", "-f", "beam.*rabbit"], capture_output=True,
+                           text=True, check=False).stdout.split()
+    if not found:
+        return None
+    with contextlib.suppress(OSError, ValueError), open(f"/proc/{found[0]}/limits") as limits:
+        for line in limits:
+            if line.startswith("Max open files"):
+                limit = int(line.split()[3])
+                if limit < 2 * queues:
+                    print(f"bench_curves: the broker may open only {limit} files, for {queues:,}"
+                          " queues: this point measures its file handle cache",
+                          file=sys.stderr)
+                return limit
+    return None
 
 
 def declare_pipelined(names: list[str], channels: int = DECLARE_CHANNELS) -> float:
