@@ -68,11 +68,12 @@ DUE_PER_CYCLE = 32
 #: them in turn. 1,000 new queues the broker refuses, one batch's worth, took
 #: 1.5 s to declare one after the other (each refusal closes its declare channel:
 #: two round trips more; they now go DECLARE_CHANNELS at a time,
-#: drain.broker.queue_declare), and held up every other queue's rows meanwhile. Not much less: each
-#: batch fetches the undeclared queues' rows again, so a tight budget walks a
-#: pile of new queues many times (bench_curves, curve refused: 1,000 refused
-#: queues staged before 20,000 good jobs, the good jobs' rate 0.28 x with 0.05 s,
-#: 0.40-0.46 x with 0.25-0.5 s, as before the budget; declared one at a time).
+#: drain.broker.queue_declare), and held up every other queue's rows meanwhile.
+#: Not much less: each batch fetches the undeclared queues' rows again, so a
+#: tight budget walks a pile of new queues many times (bench_curves, curve
+#: refused: 1,000 refused queues staged before 20,000 good jobs, the good jobs'
+#: rate 0.28 x with 0.05 s, 0.40-0.46 x with 0.25-0.5 s, as before the budget;
+#: declared one at a time).
 DECLARE_BUDGET = 0.25
 #: Queues named in one warning for many refused alike.
 SHOWN = 5
