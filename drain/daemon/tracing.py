@@ -129,14 +129,15 @@ class Tracing:
         self._oldest: StagedRow | None = None
         self._oldest_trace: str | None = None
         self._failed = False
-        self.batch_traced = True  # begin_batch() says
+        #: Whether any row of the current batch is traced (begin_batch() says): without
+        #: the SDK, only rows staged with a context, and none when contexts are
+        #: dropped (``--trace-context none``). When not, :meth:`message` need not be
+        #: asked per row.
+        self.batch_traced = True
 
     def begin_batch(self, rows: list[StagedRow]) -> None:
         self._oldest = oldest_due(rows)
         self._oldest_trace = None
-        #: Whether any row of the batch is traced: without the SDK, only rows staged
-        #: with a context, and none when contexts are dropped (``--trace-context
-        #: none``). When not, :meth:`message` need not be asked per row.
         self.batch_traced = self.tracer is not None or (
             self.mode != "none" and any(row.trace_json is not None for row in rows))
         if self.tracer is not None:
