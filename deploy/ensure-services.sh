@@ -101,6 +101,7 @@ start_installed_postgres() {  # fails only when no cluster could be started
 # more; run as root, Debian's rabbitmq-server goes through su, whose PAM limits
 # give it 1,024. At 10,000 queues that made the drain 10 x slower (docs/performance.md).
 RABBITMQ_NOFILE=65536
+RABBITMQ_NOFILE_WARN=10000  # a running local broker below this gets a note
 
 start_installed_rabbitmq() {
     local log=${TMPDIR:-/tmp}/drain-rabbitmq-start.log nofile
@@ -109,17 +110,20 @@ start_installed_rabbitmq() {
         nofile=$RABBITMQ_NOFILE
     fi
     # -detached returns at once; the broker needs 10-20 s before it answers.
-    if [[ $(id -u) == 0 ]] && id -u rabbitmq >/dev/null 2>&1 && command -v setpriv >/dev/null; then
-        # As the rabbitmq user without su, so that the raised limit holds.
-        if ! (cd /var/lib/rabbitmq && ulimit -n "$nofile" \
-                && HOME=/var/lib/rabbitmq setpriv --reuid rabbitmq --regid rabbitmq \
-                    --init-groups rabbitmq-server -detached) >"$log" 2>&1; then
-            say "rabbitmq: rabbitmq-server -detached failed (see $log)"
-            return 1
-        fi
-    elif ! (ulimit -n "$nofile" 2>/dev/null; rabbitmq-server -detached) >"$log" 2>&1; then
+    if ! (ulimit -n "$nofile" 2>/dev/null; as_rabbitmq rabbitmq-server -detached) >"$log" 2>&1
+    then
         say "rabbitmq: rabbitmq-server -detached failed (see $log)"
         return 1
+    fi
+}
+
+as_rabbitmq() {  # command...: as root, as the rabbitmq user without su, so the limit holds
+    if [[ $(id -u) == 0 ]] && id -u rabbitmq >/dev/null 2>&1 && command -v setpriv >/dev/null
+    then
+        cd /var/lib/rabbitmq \
+            && HOME=/var/lib/rabbitmq setpriv --reuid rabbitmq --regid rabbitmq --init-groups "$@"
+    else
+        "$@"
     fi
 }
 
@@ -128,7 +132,7 @@ warn_rabbitmq_nofile() {
     local pid limit
     pid=$(pgrep -o -f 'beam.*rabbit' 2>/dev/null) || return 0
     limit=$(awk '/^Max open files/ {print $4}' "/proc/$pid/limits" 2>/dev/null) || return 0
-    if [[ $limit =~ ^[0-9]+$ ]] && ((limit < 10000)); then
+    if [[ $limit =~ ^[0-9]+$ ]] && ((limit < RABBITMQ_NOFILE_WARN)); then
         say "rabbitmq: note: the broker may open only $limit files (soft limit); with more" \
             "queues than that it slows down. RabbitMQ asks for $RABBITMQ_NOFILE or more."
     fi
