@@ -167,8 +167,9 @@ def queues(count: int, good: int) -> dict[str, Any]:
 
 def broker_nofile(queues: int) -> int | None:
     """The local RabbitMQ's file descriptor limit (None: no local broker to read).
-    Below the number of queues, its queues wait on each other for file handles and
-    the point measures that (docs/running.md): said on stderr."""
+    Near the number of queues or below, its queues wait on each other for file
+    handles and the point measures that (docs/running.md): said on stderr when
+    below twice the queues."""
     found = subprocess.run(["pgrep", "-o", "-f", "beam.*rabbit"], capture_output=True,
                            text=True, check=False).stdout.split()
     if not found:
