@@ -58,7 +58,7 @@ from kombu.transport.base import to_rabbitmq_queue_arguments
 
 from drain.broker import outgoing
 from drain.broker.queue_declare import BindingSpec, ExchangeSpec, QueueSpec
-from drain.celery import celery_app, encoding
+from drain.celery import celery_app, encoding, stand_in
 from drain.celery.message import Destination
 from drain.postgres.rows import StagedRow
 from drain.settings.config import Settings
@@ -115,31 +115,51 @@ class AppRouter:
 
     def destination(self, row: StagedRow) -> Destination:
         """Where ``apply_async`` sends this row's task (raises :class:`UnknownTask`)."""
-        queue = None if row.unrouted else row.queue
-        key = (row.task_name, queue)
-        if self.static:
-            cached = self._cache.get(key)
-            if cached is not None:
-                return cached
-        start = self._starts.get(key)
-        if start is None:
-            start = self._starts[key] = self._start(row.task_name, queue)
         args: Any = ()
         kwargs: Any = {}
         if not self.static:  # router functions may look at them
             args, kwargs = json.loads(row.args_json), json.loads(row.kwargs_json)
-        routed = self._router.route(dict(start.options), row.task_name, args, kwargs,
-                                    start.task)
+        return self._routed(row.task_name, None if row.unrouted else row.queue, args, kwargs)
+
+    def uniform(self, task_name: str, queue: str | None) -> Destination | None:
+        """Where every row of ``task_name`` staged for ``queue`` (None: staged
+        without one) goes now, when that does not depend on the row: always with
+        plain mapping routes; with router functions, when none of them looked at
+        the arguments (drain.celery.stand_in). None otherwise: a router that
+        looks, or raises, and a task the app does not know."""
+        try:
+            start = self._start_of(task_name, queue)
+            if not self.static and not stand_in.ignores_arguments(
+                    self._router, task_name, start.options, start.task):
+                return None
+            return self._routed(task_name, queue, (), {})
+        except Exception:
+            return None
+
+    def _start_of(self, name: str, queue: str | None) -> _Start:
+        start = self._starts.get((name, queue))
+        if start is None:
+            start = self._starts[(name, queue)] = self._start(name, queue)
+        return start
+
+    def _routed(self, name: str, queue: str | None, args: Any, kwargs: Any) -> Destination:
+        key = (name, queue)
+        if self.static:
+            cached = self._cache.get(key)
+            if cached is not None:
+                return cached
+        start = self._start_of(name, queue)
+        routed = self._router.route(dict(start.options), name, args, kwargs, start.task)
         answer = self._answer_key(routed)
         if answer is not None:
-            cached = self._answers.get((row.task_name, answer))
+            cached = self._answers.get((name, answer))
             if cached is not None:
                 return cached
         found = self._destination(start, routed)
         if self.static:
             self._cache[key] = found
         elif answer is not None:
-            self._answers[(row.task_name, answer)] = found
+            self._answers[(name, answer)] = found
         return found
 
     def spec(self, key: str) -> QueueSpec:

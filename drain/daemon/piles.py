@@ -17,8 +17,13 @@ What this module does instead:
    look leave out the rows of those routes (``held_routes``), as they leave
    out a paused staged queue's. From the first batch that held some, the pile
    is neither fetched nor walked again, and the marks pass it at the next look.
-   A router function may look at the arguments: its rows are held by id, as
-   below.
+   A router function that routes the route's rows without looking at their
+   arguments (asked with stand-ins, drain.celery.stand_in) holds them by
+   route too (:func:`uniform_routes`), so long as every row of that route in
+   the batch went to the same key; it is asked again every RECHECK seconds
+   while they are held (:meth:`HeldKeys.recheck`), and a changed answer lets
+   the route's rows be fetched and routed again. A router function that looks
+   at the arguments holds its rows by id, as below.
 1. **The marks pass held rows.** :class:`HeldKeys` remembers the key
    ``(priority, xact, id)`` of each held ready row. The look at the heads
    (``fetch_heads``) steps over the held rows not yet passed, as it steps over
@@ -54,6 +59,7 @@ from collections.abc import Callable
 
 from drain.broker.outgoing import PauseKey
 from drain.broker.publisher import Publisher
+from drain.celery.routing import AppRouter
 from drain.daemon.holds import MAX_PAUSE, Holds
 from drain.errors import BrokerBlocked
 from drain.postgres import keyset
@@ -77,6 +83,9 @@ DUE_PER_CYCLE = 32
 DECLARE_BUDGET = 0.25
 #: Queues named in one warning for many refused alike.
 SHOWN = 5
+#: Seconds between two asks of a router function whether the routes it holds by
+#: route (:func:`uniform_routes`) still go where they did.
+RECHECK = 1.0
 #: Seconds between two chunks of due queues.
 DEFER = 0.05
 #: A queue refused again is paused for its backoff less up to this fraction of it.
@@ -99,15 +108,27 @@ class HeldKeys:
         #: marks go back: row id -> (its pause key, its index key). A cycle then
         #: looks only at the rows held since the marks last passed some, not the pile.
         self.passed: dict[int, tuple[PauseKey, tuple[int, int, int]]] = {}
+        #: The routes held on a router function's answer (:func:`uniform_routes`),
+        #: asked again by :meth:`recheck`: route key -> (task name, staged queue
+        #: or None, the ids held by that route).
+        self.asked: dict[str, tuple[str, str | None, list[int]]] = {}
+        self._asked_at = 0.0
         #: The marks as the last held_out saw them: priority -> (xact, id).
         self._marks: dict[int, tuple[int, int]] = {}
 
-    def hold(self, row: StagedRow, key: PauseKey, *, by_route: bool = False) -> None:
+    def hold(self, row: StagedRow, key: PauseKey, *, by_route: bool = False,
+             asked: bool = False) -> None:
         """``row`` is held out of the fetch for ``key``; a ready row's index key is
-        remembered. ``by_route``: the app routes by task name and staged queue only
-        (drain.celery.routing, static routes): every row of that route is held."""
+        remembered. ``by_route``: every row of that route goes to ``key``
+        (:func:`uniform_routes`) and is held; ``asked``: a router function said so,
+        and is asked again (:meth:`recheck`)."""
         if by_route:
-            self.routes[route_key(row)] = key
+            name = route_key(row)
+            self.routes[name] = key
+            if asked:
+                entry = self.asked.setdefault(
+                    name, (row.task_name, None if row.unrouted else row.queue, []))
+                entry[2].append(row.id)
         if row.ready:
             self.keys[row.id] = (row.priority, row.xact, row.id)
         else:
@@ -130,6 +151,8 @@ class HeldKeys:
         held = holds.held_rows()
         now = time.monotonic()
         self.routes = {k: q for k, q in self.routes.items() if q in holds.paused}
+        if self.asked:
+            self.asked = {k: a for k, a in self.asked.items() if k in self.routes}
         self.held_routes = [k for k, q in self.routes.items() if holds.paused[q][0] > now]
         keys = self.keys
         if len(keys) > len(holds.rows):
@@ -144,6 +167,35 @@ class HeldKeys:
                 self.passed[row_id] = (holds.rows.pop(row_id), keys.pop(row_id))
         self.above = out
         return out
+
+    def recheck(self, router: AppRouter, holds: Holds) -> bool:
+        """Ask the router again, at most every RECHECK seconds, where each route it
+        holds by route (:attr:`asked`) goes. A route it now sends elsewhere, or
+        no longer routes without looking at the arguments, is let go with the
+        rows held by it; True then: the marks must go back to the start, to
+        fetch the rows they passed."""
+        now = time.monotonic()
+        if not self.asked or now - self._asked_at < RECHECK:
+            return False
+        self._asked_at = now
+        changed = False
+        for name, (task, queue, ids) in list(self.asked.items()):
+            key = self.routes.get(name)
+            if key is not None:
+                where = router.uniform(task, queue)
+                if where is not None and PauseKey.of(
+                        where.queue, where.exchange, where.routing_key) == key:
+                    continue
+                del self.routes[name]
+                changed = True
+                for row_id in ids:
+                    if holds.rows.get(row_id) == key:
+                        del holds.rows[row_id]
+                    self.keys.pop(row_id, None)
+                    self.passed.pop(row_id, None)
+            del self.asked[name]
+        self.held_routes = [k for k in self.held_routes if k in self.routes]
+        return changed
 
     def _restore(self, holds: Holds) -> None:
         """A mark went back: the rows set aside are held again, those whose key is
@@ -161,6 +213,35 @@ def route_key(row: StagedRow) -> str:
     its queue. (A task name holding US itself could match another route's key:
     such a row would wait for that route's queue, never be lost.)"""
     return f"{row.task_name}\x1f{'*' if row.unrouted else '=' + row.queue}"
+
+
+def uniform_routes(router: AppRouter,
+                   targets: list[tuple[StagedRow, str, PauseKey]],
+                   paused: set[PauseKey]) -> set[str]:
+    """The routes (:func:`route_key`) of a batch's rows (``targets``: each row, its
+    declared queue and its pause key) that can be held by route: those whose
+    rows all went to one key of ``paused``, and which the app routes there
+    without looking at the arguments (``AppRouter.uniform``: a router function
+    asked with stand-ins answers the same). Only for an app with router
+    functions: a static app's routes are all held by route."""
+    keys: dict[str, PauseKey | None] = {}
+    first: dict[str, StagedRow] = {}
+    for row, _, key in targets:
+        name = route_key(row)
+        seen = keys.setdefault(name, key)
+        if seen is not None and seen != key:
+            keys[name] = None  # rows of one route that went apart: the arguments decide
+        first.setdefault(name, row)
+    found = set()
+    for name, only in keys.items():
+        if only is None or only not in paused:
+            continue
+        row = first[name]
+        where = router.uniform(row.task_name, None if row.unrouted else row.queue)
+        if where is not None and PauseKey.of(where.queue, where.exchange,
+                                             where.routing_key) == only:
+            found.add(name)
+    return found
 
 
 def try_due(holds: Holds, refusals: Refusals, publisher: Publisher) -> None:

@@ -162,6 +162,8 @@ class Pipeline:
         # held out after they changed under the drain (drain.postgres.conflicts), and the
         # rows held for a paused queue that the marks did not pass (drain.daemon.piles).
         exclude = [row_id for batch in pending for row_id in batch.row_ids]
+        if self.router is not None and self.piles.recheck(self.router, self.holds):
+            self.marks.reset()  # a route let go: its rows are fetched again
         exclude += self.settle.held() + self.piles.held_out(self.holds, self.marks.current())
         try:
             # The marks move only once the batch committed (drain.postgres.keyset, "Only what
@@ -303,14 +305,21 @@ class Pipeline:
         later = self._publisher.undeclared(wanted) - set(refused)
         self._deferred = bool(later)
         paused = set(self.holds.now_paused())
-        by_route = self.router is not None and self.router.static
+        router = self.router
+        static = router is not None and router.static
+        # With router functions, the routes held by route are the ones they route
+        # without looking at the arguments (drain.daemon.piles, uniform_routes).
+        asked = (piles.uniform_routes(router, targets, paused)
+                 if router is not None and not static and paused
+                 and any(key in paused for _, _, key in targets) else set())
         held = self.holds.rows
         if held or paused:  # else nothing to forget or to hold: spare a pass per row
             for row, _, key in targets:
                 held.pop(row.id, None)
                 if key in paused:
                     held[row.id] = key  # out of the fetch while it is paused
-                    self.piles.hold(row, key, by_route=by_route)
+                    self.piles.hold(row, key, by_route=static or (
+                        bool(asked) and piles.route_key(row) in asked), asked=not static)
                     self._heads_at = 0.0  # the next look lets the marks pass it
         publishable = [(row, queue) for row, queue, key in targets
                        if key not in paused and queue not in later]

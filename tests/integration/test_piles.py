@@ -86,13 +86,15 @@ def _stage(db_url: str, task: str, n: int) -> None:
         drain.stage_many(conn, (drain.Job(task, [i]) for i in range(n)))
 
 
-@pytest.mark.parametrize("app", ["app", "by_function"])
+@pytest.mark.parametrize("app", ["app", "by_function", "by_arguments"])
 def test_rows_held_for_the_app_are_walked_at_most_once_and_not_sent_with_every_fetch(
     db_url: str, pile_app: dict[str, str], start_active_drain: Callable[..., Running],
     monkeypatch: pytest.MonkeyPatch, app: str,
 ) -> None:
-    """A static app's held rows are held by route: the pile is not even walked once.
-    A router function's are held by id: walked once, then passed by the marks."""
+    """A static app's held rows are held by route, and so are those of a router
+    function that routes them without looking at their arguments: the pile is not
+    even walked once. Those of a router function that looks at the arguments are
+    held by id: walked once, then passed by the marks."""
     pile, batch = 3000, 500
     _stage(db_url, "pile.held", pile)
     fetches: list[tuple[int, int]] = []  # (ids left out, rows fetched)
@@ -109,7 +111,7 @@ def test_rows_held_for_the_app_are_walked_at_most_once_and_not_sent_with_every_f
                                  batch_size=batch, rescan_interval=0.0)
     holds = running.drain.pipeline.holds
     held = PauseKey(pile_app["held"])
-    if app == "app":
+    if app != "by_arguments":
         support.wait_for(lambda: held in holds.paused or None, 60,
                          "the refused queue to be paused")
     else:
@@ -136,9 +138,38 @@ def test_rows_held_for_the_app_are_walked_at_most_once_and_not_sent_with_every_f
                      "a fetch that leaves out only the held ids the marks did not pass")
     # The pile is not walked again when the pause runs out and the queue is still refused.
     assert sum(rows for _, rows in fetches) <= good + batch
-    if app == "app":  # held by route from the first batch on: the pile is never walked
+    if app != "by_arguments":  # held by route from the first batch on: never walked
         assert walked + sum(rows for _, rows in fetches) <= good + 2 * batch
+    else:
+        assert walked >= pile  # each row routed by its arguments, so walked once
     assert len(support.drain_queue(pile_app["good"])) >= good
+
+
+def test_a_router_function_that_changes_its_answer_lets_its_held_route_go(
+    db_url: str, pile_app: dict[str, str], start_active_drain: Callable[..., Running],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows held by route on a router function's answer are not held on it for
+    good: the router is asked again (drain.daemon.piles, HeldKeys.recheck) and,
+    once it sends the task elsewhere, every row of the route is fetched, routed
+    and published there, while the first queue is still refused."""
+    from tests import pile_app as module
+
+    pile = 1500
+    _stage(db_url, "pile.held", pile)
+    running = start_active_drain(db_url, celery_app="tests.pile_app:by_flag",
+                                 batch_size=500, rescan_interval=0.0)
+    pipeline = running.drain.pipeline
+    held = PauseKey(pile_app["held"])
+    support.wait_for(lambda: held in pipeline.piles.routes.values() or None, 60,
+                     "the pile to be held by route")
+    assert support.staged_count(db_url) == pile
+    monkeypatch.setattr(module, "HELD_TO", "good")
+    support.wait_for(lambda: support.staged_count(db_url) == 0, 60,
+                     "the held rows to be published where the router sends them now")
+    assert held in pipeline.holds.paused  # the first queue is refused all along
+    bodies = support.drain_queue(pile_app["good"])
+    assert len({props.correlation_id for _, props, _ in bodies}) == pile
 
 
 def test_many_refused_queues_are_one_warning_and_declared_again_a_chunk_at_a_time(
