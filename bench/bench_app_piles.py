@@ -5,7 +5,8 @@ Rows staged without a queue: ``bench.held`` is routed to the queue named in
 the drain's declare is refused, 406), ``bench.good`` to ``BENCH_PILES_GOOD``.
 Both names are set by the bench before the drain loads the app. :data:`app`
 routes with a plain mapping (the drain holds the refused rows by route),
-:data:`by_function` with a router function (it holds them by id).
+:data:`by_function` with a router function that routes by name only (held by
+route too, once the drain asked it with stand-ins for the arguments).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ ROUTES = {
 
 def route(name: str, args: Any, kwargs: Any, options: Any, task: Any = None,
           **_: Any) -> dict[str, Any] | None:
-    """The same routes, as a router function (which may look at the arguments)."""
+    """The same routes, as a router function (which does not look at the arguments)."""
     return ROUTES.get(name)
 
 

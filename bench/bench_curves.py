@@ -14,7 +14,8 @@ Each point is a fresh database with a pile staged by SQL (bench/curves.py), then
 * ``held``: the good jobs' rate with 0 or 100,000 rows staged before them for a queue
   whose declare the broker refuses (406), without and with ``--app``
   (bench/curves_app.py routes rows staged without a queue: plain ``task_routes``,
-  and a router function, reported apart);
+  a router function that routes by name, and one that reads the arguments,
+  reported apart);
 * ``refused``: with 0, 1 or 1,000 refused queues of 5 rows each;
 * ``locked``: with 0 or 1,000 rows locked by an open ``SELECT ... FOR UPDATE``, and
   how often the locked jobs were delivered once the lock went;
@@ -70,9 +71,13 @@ def measure(name: str, xs: list[int], good: int) -> dict[str, list[dict[str, Any
     point["held"] = lambda x: curves.held(x, good)
     point["held --app"] = lambda x: curves.held(x, good, app="app")
     point["held --app, a router function"] = lambda x: curves.held(x, good, app="function")
+    point["held --app, a router reading the arguments"] = (
+        lambda x: curves.held(x, good, app="arguments"))
     variants = ({"": name} if name != "held" else
                 {"": "held", "--app": "held --app",
-                 "--app, a router function": "held --app, a router function"})
+                 "--app, a router function": "held --app, a router function",
+                 "--app, a router reading the arguments":
+                     "held --app, a router reading the arguments"})
     return {variant: [_point(key, x, point[key]) for x in xs] for variant, key in variants.items()}
 
 

@@ -9,9 +9,11 @@
   queue; with it (bench/bench_app_piles.py) staged without one, and the app's
   task_routes send them to the refused queue or to the good one, so the drain
   holds the pile (drain.daemon.piles): by route with a plain mapping
-  (``--app``), by id with a router function (``--app fn``). Reported per variant: the good rows'
-  rate with the pile against without it (goal >= 0.8 x), the fetches, their
-  mean time and the most ids one fetch left out.
+  (``--app``), and with a router function that routes by task name (``--app
+  fn``: the drain asks it with stand-ins for the arguments, drain.celery.stand_in).
+  Reported per variant: the good rows' rate with the pile against without it
+  (goal >= 0.8 x), the fetches, their mean time and the most ids one fetch left
+  out.
 * ``delete``: the delete of 1,000 confirmed rows above the pile (EXPLAIN
   ANALYZE on the drain's session): index entries read and its time.
 * ``refused``: ``--queues`` queues the broker refuses, a row each, while a

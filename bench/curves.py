@@ -223,8 +223,9 @@ def declare_pipelined(names: list[str], channels: int = DECLARE_CHANNELS) -> flo
 
 def held(pile: int, good: int, *, app: str = "") -> dict[str, Any]:
     """``pile`` rows for a queue the broker refuses, staged before ``good`` jobs;
-    with ``app`` (bench/curves_app.py's ``app``, plain routes, or ``function``, a
-    router function), both staged without a queue and routed by it."""
+    with ``app`` (bench/curves_app.py's ``app``, plain routes, ``function``, a
+    router function, or ``arguments``, one that reads the arguments), both staged
+    without a queue and routed by it."""
     with harness.Setup("curve_held") as setup:
         url = setup.database()
         refused = setup.queue("refused", declare=False, routed=bool(app))

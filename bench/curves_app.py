@@ -3,9 +3,12 @@ whose declare the broker refuses, ``bench.flowing`` to one that works:
 
 * :data:`app`: plain ``task_routes`` (the drain holds a refused route's rows by
   route), made anew with each point's queues (:func:`route_static`);
-* :data:`function`: a router function, which may look at the arguments (the
-  drain holds the rows by id); it reads ``CURVES_PILE_QUEUE`` and
-  ``CURVES_GOOD_QUEUE`` at every call.
+* :data:`function`: a router function that routes by the task name only (asked
+  with stand-ins for the arguments, drain.celery.stand_in, the drain finds that
+  out and holds the rows by route); it reads ``CURVES_PILE_QUEUE`` and
+  ``CURVES_GOOD_QUEUE`` at every call;
+* :data:`arguments`: the same, but it also looks at the kwargs, as a router by
+  tenant would (the drain holds the rows by id: each routed once).
 """
 
 from __future__ import annotations
@@ -32,6 +35,13 @@ def route(name: str, args: Any, kwargs: Any, options: Any, task: Any = None,
     return None
 
 
+def route_by_arguments(name: str, args: Any, kwargs: Any, options: Any, task: Any = None,
+                       **_: Any) -> dict[str, Any] | None:
+    if kwargs.get("tenant") is not None:  # never set here: the same routes as route()
+        return {"queue": f"tenant_{kwargs['tenant']}"}
+    return route(name, args, kwargs, options, task)
+
+
 def _app(name: str, routes: Any) -> Celery:
     made = Celery(name, broker=BROKER_URL, set_as_current=False)
     made.conf.task_routes = routes
@@ -42,6 +52,7 @@ def _app(name: str, routes: Any) -> Celery:
 
 app = _app("bench_curves", {})
 function = _app("bench_curves_function", [route])
+arguments = _app("bench_curves_arguments", [route_by_arguments])
 
 
 def route_static(pile_queue: str, good_queue: str) -> None:
