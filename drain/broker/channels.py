@@ -112,11 +112,23 @@ class ChannelKeepingLink(RefusalProbingLink):
         has, when the batch is answered, when silence is no sign of a mute channel
         (the broker blocked the connection, or the batch went out on an older
         connection), or when the confirm timeout is no longer."""
-        if (self._window.heard or not batch.unresolved or batch.generation != self._generation
+        if (self._settled() or not batch.unresolved or batch.generation != self._generation
                 or self._conn is None or self._failure is not None
                 or self.blocked is not None or self._mute_limit >= self._confirm_timeout):
             return None  # (a limit that long: the confirm timeout gives the batch up)
         return self._mute_limit
+
+    def _settled(self) -> bool:
+        """The current channel has answered, so its silence is a slow broker's, not a
+        mute channel's. On a connection after the link's first (a failover), a
+        channel must have answered for MUTE_WAIT seconds to count: one whose first
+        answers came just before its quorum queue lost its leader, and which then
+        fell silent, is mute all the same (tests/rabbit_cluster, a partition of the
+        drain's node: one answer, then 12.7 s of silence until the partition healed)."""
+        window = self._window
+        if not window.heard:
+            return False
+        return self._generation <= 1 or window.heard_at - window.first_heard_at >= MUTE_WAIT
 
     def replace_mute(self, silent: float) -> None:
         """The current channel answered nothing for ``silent`` seconds since its
@@ -128,8 +140,9 @@ class ChannelKeepingLink(RefusalProbingLink):
         the queue's leader is being replaced may get no answer at all for many
         seconds (17 s when the drain's own node was cut off by a partition and it
         went on through another; issue 37), while a channel opened a few seconds
-        later gets acks at once. A channel that has answered once is not mute: a
-        slow broker's confirms come, and only the confirm timeout gives it up."""
+        later gets acks at once. A channel that has answered once is not mute
+        (after a failover: that has answered for MUTE_WAIT seconds, :meth:`_settled`):
+        a slow broker's confirms come, and only the confirm timeout gives it up."""
         unanswered = sum(batch.unresolved for batch in self._window.of(self._generation))
         log.warning("broker at %s answered nothing on a new channel for %.1fs; publishing "
                     "on another (%d unanswered message(s) stay staged)",

@@ -50,6 +50,8 @@ class Window:
         self.confirmed_up_to = 0
         #: The current channel has answered something (an ack or a nack).
         self.heard = False
+        #: When the current channel first and last answered (monotonic; 0.0: not yet).
+        self.first_heard_at = self.heard_at = 0.0
 
     def open(self, count: int, generation: int) -> Batch:
         """A new batch owning the next ``count`` delivery tags."""
@@ -80,6 +82,7 @@ class Window:
         self.low = 1
         self.confirmed_up_to = 0
         self.heard = False
+        self.first_heard_at = self.heard_at = 0.0
 
     def answered(self, generation: int) -> bool:
         """Every message published on the current channel was answered."""
@@ -112,8 +115,10 @@ class Window:
         status = ACKED if acked else NACKED
         first = self.low if multiple else tag
         self.confirmed_up_to = max(self.confirmed_up_to, tag)
-        self.heard = True
         now = time.monotonic()
+        if not self.heard:
+            self.heard, self.first_heard_at = True, now
+        self.heard_at = now
         for batch in self.batches:
             size = len(batch.status)
             if batch.base >= tag:

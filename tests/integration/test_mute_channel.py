@@ -97,6 +97,31 @@ def test_a_queue_that_answers_nothing_on_a_new_channel_costs_that_channel(
         pub.close()
 
 
+def test_after_a_failover_a_new_channel_that_answered_then_fell_silent_is_mute(
+        queue: str, silence: Callable[[str], None], caplog: pytest.LogCaptureFixture) -> None:
+    """On a connection after the first (the drain failed over), a channel's first
+    answers do not make it trusted: one that then answers nothing for MUTE_WAIT,
+    before it has answered for that long, is replaced (drain.broker.channels,
+    ``_settled``). On the first connection an answer is enough."""
+    pub = support.publisher(support.BROKER_URL, confirm_timeout=CONFIRM_TIMEOUT)
+    try:
+        assert pub.declare({queue}) == {}
+        assert len(pub.wait(_start(pub, queue, 1)).confirmed) == COUNT
+        assert pub.mute_limit(_start(pub, queue, 1000)) is None  # first connection: trusted
+        pub.connect()  # a new connection, as after a failover
+        assert pub.declare({queue}) == {}
+        assert len(pub.wait(_start(pub, queue, 2000)).confirmed) == COUNT
+        silence(queue)
+        young = pub._channel  # our own class: which channel publishes
+        with caplog.at_level(logging.WARNING, "drain.publisher"):
+            results = _collect_full_window(pub, queue)
+        _given_up(results)
+        assert f"answered nothing on a new channel for {MUTE_WAIT:.1f}s" in caplog.text
+        assert pub.connected and pub._channel is not young
+    finally:
+        pub.close()
+
+
 def test_a_connection_that_answers_nothing_is_dropped_at_once(
         queue: str, proxy: support.TcpProxy, caplog: pytest.LogCaptureFixture) -> None:
     pub = support.publisher(support.broker_url(proxy.port), confirm_timeout=CONFIRM_TIMEOUT)
