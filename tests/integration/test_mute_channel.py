@@ -24,6 +24,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -73,19 +74,28 @@ def _given_up(results: list[PublishResult]) -> None:
     assert not any("then none for" in str(r.error) for r in results), results
 
 
+def _replaced_when_silent(pub: Publisher, queue: str, silence: Callable[[str], None],
+                         caplog: pytest.LogCaptureFixture) -> Any:
+    """Silence ``queue``, collect a full window on the publishing channel, and check
+    that the channel was given up as mute and replaced on the same connection: the
+    old channel."""
+    silence(queue)
+    mute = pub._channel  # our own class: which channel publishes
+    with caplog.at_level(logging.WARNING, "drain.publisher"):
+        results = _collect_full_window(pub, queue)
+    _given_up(results)
+    assert f"answered nothing on a new channel for {MUTE_WAIT:.1f}s" in caplog.text
+    assert pub.connected and pub._channel is not mute
+    return mute
+
+
 def test_a_queue_that_answers_nothing_on_a_new_channel_costs_that_channel(
         queue: str, silence: Callable[[str], None], caplog: pytest.LogCaptureFixture) -> None:
     pub = support.publisher(support.BROKER_URL, confirm_timeout=CONFIRM_TIMEOUT)
     try:
         assert pub.declare({queue}) == {}
-        silence(queue)
-        mute = pub._channel  # our own class: which channel publishes
-        with caplog.at_level(logging.WARNING, "drain.publisher"):
-            results = _collect_full_window(pub, queue)
-        _given_up(results)
-        assert f"answered nothing on a new channel for {MUTE_WAIT:.1f}s" in caplog.text
-        # The same connection goes on, on a new channel: the old one is closed.
-        assert pub.connected and pub._channel is not mute and mute.is_closed
+        mute = _replaced_when_silent(pub, queue, silence, caplog)
+        assert mute.is_closed  # the same connection goes on, on a new channel
         batch = _start(pub, queue, 100)
         assert pub.mute_limit(batch) == 2 * MUTE_WAIT  # the next mute channel: longer
         queue_process(queue, "resume")
@@ -111,13 +121,7 @@ def test_after_a_failover_a_new_channel_that_answered_then_fell_silent_is_mute(
         pub.connect()  # a new connection, as after a failover
         assert pub.declare({queue}) == {}
         assert len(pub.wait(_start(pub, queue, 2000)).confirmed) == COUNT
-        silence(queue)
-        young = pub._channel  # our own class: which channel publishes
-        with caplog.at_level(logging.WARNING, "drain.publisher"):
-            results = _collect_full_window(pub, queue)
-        _given_up(results)
-        assert f"answered nothing on a new channel for {MUTE_WAIT:.1f}s" in caplog.text
-        assert pub.connected and pub._channel is not young
+        _replaced_when_silent(pub, queue, silence, caplog)
     finally:
         pub.close()
 
