@@ -48,8 +48,6 @@ class Window:
         self.low = 1
         #: The highest delivery tag any ack or nack has named on this channel.
         self.confirmed_up_to = 0
-        #: The current channel has answered something (an ack or a nack).
-        self.heard = False
         #: When the current channel first and last answered (monotonic; 0.0: not yet).
         self.first_heard_at = self.heard_at = 0.0
 
@@ -81,8 +79,12 @@ class Window:
         self.base_tag = 0  # tags count from 1 again
         self.low = 1
         self.confirmed_up_to = 0
-        self.heard = False
         self.first_heard_at = self.heard_at = 0.0
+
+    @property
+    def heard(self) -> bool:
+        """The current channel has answered something (an ack or a nack)."""
+        return self.first_heard_at > 0.0
 
     def answered(self, generation: int) -> bool:
         """Every message published on the current channel was answered."""
@@ -116,8 +118,8 @@ class Window:
         first = self.low if multiple else tag
         self.confirmed_up_to = max(self.confirmed_up_to, tag)
         now = time.monotonic()
-        if not self.heard:
-            self.heard, self.first_heard_at = True, now
+        if not self.first_heard_at:
+            self.first_heard_at = now
         self.heard_at = now
         for batch in self.batches:
             size = len(batch.status)
