@@ -115,11 +115,15 @@ class AppRouter:
 
     def destination(self, row: StagedRow) -> Destination:
         """Where ``apply_async`` sends this row's task (raises :class:`UnknownTask`)."""
-        args: Any = ()
-        kwargs: Any = {}
-        if not self.static:  # router functions may look at them
-            args, kwargs = json.loads(row.args_json), json.loads(row.kwargs_json)
-        return self._routed(row.task_name, None if row.unrouted else row.queue, args, kwargs)
+        queue = None if row.unrouted else row.queue
+        if self.static:  # one answer per (task name, queue), once it is known
+            cached = self._cache.get((row.task_name, queue))
+            if cached is not None:
+                return cached
+            return self._routed(row.task_name, queue, (), {})
+        # Router functions may look at the arguments.
+        return self._routed(row.task_name, queue, json.loads(row.args_json),
+                            json.loads(row.kwargs_json))
 
     def uniform(self, task_name: str, queue: str | None) -> Destination | None:
         """Where every row of ``task_name`` staged for ``queue`` (None: staged
@@ -147,7 +151,7 @@ class AppRouter:
         if self.static:
             cached = self._cache.get(key)
             if cached is not None:
-                return cached
+                return cached  # (uniform() asks for a static app's routes here)
         start = self._start_of(name, queue)
         routed = self._router.route(dict(start.options), name, args, kwargs, start.task)
         answer = self._answer_key(routed)
