@@ -50,7 +50,7 @@ class StandIn:
         raise Looked
 
     def __getattribute__(self, name: str) -> Any:
-        if name in ("used", "_use"):
+        if name == "used":
             return object.__getattribute__(self, name)
         object.__setattr__(self, "used", True)
         raise Looked(name)

@@ -180,22 +180,19 @@ class HeldKeys:
         self._asked_at = now
         changed = False
         for name, (task, queue, ids) in list(self.asked.items()):
-            key = self.routes.get(name)
-            if key is not None:
-                where = router.uniform(task, queue)
-                if where is not None and PauseKey.of(
-                        where.queue, where.exchange, where.routing_key) == key:
-                    continue
-                del self.routes[name]
-                changed = True
-                for row_id in ids:
-                    if holds.rows.get(row_id) == key:
-                        del holds.rows[row_id]
-                    self.keys.pop(row_id, None)
-                    self.passed.pop(row_id, None)
-            del self.asked[name]
-        self.held_routes = [k for k in self.held_routes if k in self.routes]
-        return changed
+            key = self.routes[name]  # (held_out forgets both when the key is resumed)
+            where = router.uniform(task, queue)
+            if where is not None and PauseKey.of(
+                    where.queue, where.exchange, where.routing_key) == key:
+                continue
+            del self.routes[name], self.asked[name]
+            changed = True
+            for row_id in ids:
+                if holds.rows.get(row_id) == key:
+                    del holds.rows[row_id]
+                self.keys.pop(row_id, None)
+                self.passed.pop(row_id, None)
+        return changed  # (held_out, next, sends the routes left with the fetch)
 
     def _restore(self, holds: Holds) -> None:
         """A mark went back: the rows set aside are held again, those whose key is
@@ -221,9 +218,9 @@ def uniform_routes(router: AppRouter,
     """The routes (:func:`route_key`) of a batch's rows (``targets``: each row, its
     declared queue and its pause key) that can be held by route: those whose
     rows all went to one key of ``paused``, and which the app routes there
-    without looking at the arguments (``AppRouter.uniform``: a router function
-    asked with stand-ins answers the same). Only for an app with router
-    functions: a static app's routes are all held by route."""
+    without looking at the arguments (``AppRouter.uniform``: every route of a
+    static app; with router functions, when asked with stand-ins they answer
+    the same)."""
     keys: dict[str, PauseKey | None] = {}
     first: dict[str, StagedRow] = {}
     for row, _, key in targets:

@@ -306,20 +306,21 @@ class Pipeline:
         self._deferred = bool(later)
         paused = set(self.holds.now_paused())
         router = self.router
-        static = router is not None and router.static
-        # With router functions, the routes held by route are the ones they route
-        # without looking at the arguments (drain.daemon.piles, uniform_routes).
-        asked = (piles.uniform_routes(router, targets, paused)
-                 if router is not None and not static and paused
+        # The routes whose rows all go to one paused key whatever their arguments are
+        # held whole (drain.daemon.piles, uniform_routes); a router function's answer
+        # is asked again while they are.
+        whole = (piles.uniform_routes(router, targets, paused)
+                 if router is not None and paused
                  and any(key in paused for _, _, key in targets) else set())
+        asked = router is not None and not router.static
         held = self.holds.rows
         if held or paused:  # else nothing to forget or to hold: spare a pass per row
             for row, _, key in targets:
                 held.pop(row.id, None)
                 if key in paused:
                     held[row.id] = key  # out of the fetch while it is paused
-                    self.piles.hold(row, key, by_route=static or (
-                        bool(asked) and piles.route_key(row) in asked), asked=not static)
+                    self.piles.hold(row, key, asked=asked, by_route=bool(whole)
+                                    and piles.route_key(row) in whole)
                     self._heads_at = 0.0  # the next look lets the marks pass it
         publishable = [(row, queue) for row, queue, key in targets
                        if key not in paused and queue not in later]
