@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from drain.postgres import migration
-from tests import support
+from tests import previous, support
 
 #: What make release reads from the working tree besides the commits.
 MACHINERY = ("Makefile", "pyproject.toml", "CHANGELOG.md")
@@ -201,16 +201,15 @@ def test_every_release_has_an_upgrading_section() -> None:
 def test_the_newest_entry_names_the_schema_version_and_what_it_changes() -> None:
     """The schema version of this checkout (SCHEMA_VERSION) is named in the newest entry's
     Upgrading section, with each table the schema creates and each column it adds that the
-    previous release's schema (its tag's staging_schema.sql) did not have."""
+    previous release's schema (its staging_schema.sql, from its tag or its commit,
+    _previous_release) did not have."""
     version, _, entry = newest_entry(_changelog())
     upgrading = entry.split("\n### Upgrading\n", 1)[1].split("\n### ", 1)[0]
     assert f"Schema version {migration.SCHEMA_VERSION}" in upgrading
     assert "drain migrate --check" in upgrading
-    previous = _previous_release_tag(version)
-    if previous is None:
-        pytest.skip(f"no tag of a release before {version} in this clone (git fetch --tags)")
+    release = _previous_release(version)
     before = _schema_objects(subprocess.run(
-        ["git", "show", f"{previous}:staging_schema.sql"], cwd=support.ROOT,
+        ["git", "show", f"{release}:staging_schema.sql"], cwd=support.ROOT,
         capture_output=True, text=True, check=True).stdout)
     now = _schema_objects((support.ROOT / "staging_schema.sql").read_text())
     unnamed = sorted(name for name in now - before if f"`{name}`" not in upgrading)
@@ -225,13 +224,19 @@ def test_the_schema_objects_parser_sees_tables_and_added_columns() -> None:
     assert _schema_objects(sql) == {"t", "t.b", "t.c", "u.d"}
 
 
-def _previous_release_tag(version: str) -> str | None:
-    """The newest tag vX.Y.Z of a release before ``version``, or None."""
+def _previous_release(version: str) -> str:
+    """The newest tag vX.Y.Z of a release before ``version``; in a clone without tags
+    (CI's), the previous release's commit the version-skew tests build
+    (tests/previous.py), which must then be a release before ``version``."""
     tags = subprocess.run(["git", "tag", "--list", "v*.*.*"], cwd=support.ROOT,
                           capture_output=True, text=True, check=True).stdout.split()
     older = [t for t in tags if re.fullmatch(r"v\d+\.\d+\.\d+", t)
              and _release_key(t[1:]) < _release_key(version)]
-    return max(older, key=lambda tag: _release_key(tag[1:])) if older else None
+    if older:
+        return max(older, key=lambda tag: _release_key(tag[1:]))
+    assert _release_key(previous.VERSION) < _release_key(version), (
+        f"tests/previous.py's release {previous.VERSION} is not older than {version}")
+    return previous.COMMIT
 
 
 def _release_key(version: str) -> tuple[int, ...]:
