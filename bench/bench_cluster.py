@@ -24,8 +24,6 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import cpu
@@ -35,7 +33,6 @@ from bench_throughput import raw_pika, staged_messages
 from curves import sql_stage
 from harness import BROKER_URL, broker_channel
 
-from drain.daemon.runner import Drain
 from drain.settings.config import Settings
 from tests.rabbit_cluster import cluster as rabbit
 
@@ -47,32 +44,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def drain_seconds(url: str, broker: str, n: int, depth: tuple[int, int]) -> float:
-    """The drain, in a thread of this process, until the broker confirmed all ``n``:
-    timed by its own count (``on_cycle``), as raw pika times its confirms. The
-    main thread sleeps on an event meanwhile: a poll every few milliseconds took
-    the GIL from the drain's thread and counted as the drain's CPU."""
+    """The drain, in a thread of this process, until the broker confirmed all ``n``,
+    timed by its own count (harness.seconds_to_confirm)."""
     batch_size, pipeline = depth
-    finished: list[float] = []
-    confirmed = 0
-    done = threading.Event()
-
-    def on_cycle(_answered: int, now_confirmed: int) -> None:
-        nonlocal confirmed
-        confirmed += now_confirmed
-        if confirmed >= n and not finished:
-            finished.append(time.perf_counter())
-            done.set()
-
-    runner = Drain(Settings(database_url=url, broker_url=broker, batch_size=batch_size,
-                            pipeline=pipeline, queue_declare="passive"), on_cycle=on_cycle)
-    started = time.perf_counter()
-    with harness.running(runner) as thread:
-        while not done.wait(1.0):
-            if not thread.is_alive():
-                raise SystemExit("bench_cluster: the drain stopped")
-            if time.perf_counter() - started > 600:
-                raise SystemExit(f"bench_cluster: {confirmed} of {n} confirmed in 600 s")
-        return finished[0] - started
+    return harness.seconds_to_confirm(
+        Settings(database_url=url, broker_url=broker, batch_size=batch_size,
+                 pipeline=pipeline, queue_declare="passive"), n, 600, "bench_cluster")
 
 
 def main() -> int:

@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -88,43 +87,22 @@ def timed_drain(url: str, done: Callable[[], bool] | int, *, app: str = "",
                 what: str = "the good jobs published", depth: tuple[int, int] = (1000, 4),
                 ) -> float:
     """Run a drain until ``done``; the seconds it took. ``done`` as a number: until
-    the drain itself counts that many rows confirmed (``on_cycle``), as raw pika
-    counts its confirms, with this thread asleep on an event meanwhile: a poll
-    every few milliseconds took the GIL from the drain's thread and counted as
-    the drain's time (bench_cluster measures the same way)."""
+    the drain itself counts that many rows confirmed (harness.seconds_to_confirm)."""
     batch_size, pipeline = depth
-    finished = threading.Event()
-    finished_at: list[float] = []
-    confirmed = 0
-
-    def on_cycle(_answered: int, now_confirmed: int) -> None:
-        nonlocal confirmed
-        confirmed += now_confirmed
-        if not callable(done) and confirmed >= done and not finished_at:
-            finished_at.append(time.perf_counter())
-            finished.set()
-
-    runner = Drain(Settings(database_url=url, broker_url=BROKER_URL, celery_app=app,
-                            batch_size=batch_size, pipeline=pipeline), on_cycle=on_cycle)
+    settings = Settings(database_url=url, broker_url=BROKER_URL, celery_app=app,
+                        batch_size=batch_size, pipeline=pipeline)
+    if not callable(done):
+        return harness.seconds_to_confirm(settings, done, TIMEOUT, f"bench_curves: {what}")
     started = time.perf_counter()
-    with harness.running(runner) as thread:
-        if callable(done):
-            def check() -> bool:
-                if done():
-                    return True
-                if not thread.is_alive():
-                    raise SystemExit(f"bench_curves: the drain stopped ({what})")
-                return False
+    with harness.running(Drain(settings)) as thread:
+        def check() -> bool:
+            if done():
+                return True
+            if not thread.is_alive():
+                raise SystemExit(f"bench_curves: the drain stopped ({what})")
+            return False
 
-            harness.wait_until(check, TIMEOUT, f"bench_curves: {what}", interval=0.02)
-        else:
-            while not finished.wait(1.0):
-                if not thread.is_alive():
-                    raise SystemExit(f"bench_curves: the drain stopped ({what})")
-                if time.perf_counter() - started > TIMEOUT:
-                    raise SystemExit(f"bench_curves: {what}: {confirmed} of {done} "
-                                     f"in {TIMEOUT:g} s")
-            return finished_at[0] - started
+        harness.wait_until(check, TIMEOUT, f"bench_curves: {what}", interval=0.02)
         return time.perf_counter() - started
 
 

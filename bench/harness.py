@@ -36,6 +36,7 @@ import psycopg
 import drain
 from drain.daemon.runner import Drain
 from drain.postgres import migration
+from drain.settings.config import Settings
 from drain.settings.urls import broker_parameters
 
 ADMIN_URL = os.environ.get("DRAIN_BENCH_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -210,6 +211,34 @@ def running(runner: Drain, *, join: float = 30.0) -> Iterator[threading.Thread]:
     finally:
         runner.stop()
         thread.join(join)
+
+
+def seconds_to_confirm(settings: Settings, n: int, timeout: float, what: str) -> float:
+    """A drain of ``settings`` in a thread of this process until it counts ``n`` rows
+    confirmed (its own ``on_cycle``, as raw pika counts its confirms): the seconds
+    from its start to that count. This thread sleeps on an event meanwhile: a poll
+    every few milliseconds took the GIL from the drain's thread and counted as its
+    time. SystemExit naming ``what`` if the drain stops or ``timeout`` passes."""
+    reached = threading.Event()
+    at: list[float] = []
+    confirmed = 0
+
+    def on_cycle(_answered: int, now_confirmed: int) -> None:
+        nonlocal confirmed
+        confirmed += now_confirmed
+        if confirmed >= n and not at:
+            at.append(time.perf_counter())
+            reached.set()
+
+    runner = Drain(settings, on_cycle=on_cycle)
+    started = time.perf_counter()
+    with running(runner) as thread:
+        while not reached.wait(1.0):
+            if not thread.is_alive():
+                raise SystemExit(f"{what}: the drain stopped")
+            if time.perf_counter() - started > timeout:
+                raise SystemExit(f"{what}: {confirmed} of {n} confirmed in {timeout:g} s")
+    return at[0] - started
 
 
 # -- processes ----------------------------------------------------------------------------
