@@ -24,11 +24,14 @@
 --                       or delete rows.
 --   app_drain_runner    `drain run`, its metrics and `drain status`: SELECT, DELETE
 --                       on staged_jobs; SELECT, INSERT on dead_jobs (rows set aside,
---                       and counted); SELECT on drain_schema_state; the wake flag.
+--                       and counted); SELECT on drain_schema_state and drain_pauses;
+--                       the wake flag.
 --                       It cannot stage, update rows, or touch drain_processed.
 --   app_drain_operator  `drain stage`, `drain dead list|requeue|purge`, `drain
---                       processed purge`: INSERT on staged_jobs; SELECT, DELETE on
---                       dead_jobs and drain_processed.
+--                       processed purge`, `drain pause|resume|audit`: INSERT on
+--                       staged_jobs; SELECT, DELETE on dead_jobs and
+--                       drain_processed; SELECT, INSERT, DELETE on drain_pauses;
+--                       SELECT, INSERT on drain_audit.
 --   app_drain_consumer  drain.consumer in the workers: SELECT, INSERT on
 --                       drain_processed.
 --
@@ -485,6 +488,53 @@ ALTER TABLE drain_backfill_attempts ADD COLUMN IF NOT EXISTS task_attempt_id big
 CREATE INDEX IF NOT EXISTS drain_backfill_attempts_run
     ON drain_backfill_attempts (run_token);
 
+-- Publishing paused by an operator (`drain pause`, the console): while a row
+-- is here, no drain publishes the jobs of that queue (kind 'queue': the queue
+-- a job is declared into, which with --app is where the app routes it) or of
+-- that task (kind 'task': task_name). Staging goes on; the rows stay staged
+-- and are published once the row is deleted (`drain resume`). A change here
+-- notifies the drains (the trigger below): each one obeys it from its next
+-- batch. Expiry goes on too: a paused job whose expires_at passes is moved to
+-- dead_jobs ('expired'), as any other.
+CREATE TABLE IF NOT EXISTS drain_pauses (
+    kind      text        NOT NULL CHECK (kind IN ('queue', 'task')),
+    name      text        NOT NULL CHECK (octet_length(name) BETWEEN 1 AND 1024),
+    reason    text        NOT NULL CHECK (reason ~ '[^[:space:]]'),
+    paused_by text        NOT NULL,
+    paused_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (kind, name)
+);
+
+CREATE OR REPLACE FUNCTION drain_pauses_changed() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('drain_staged_jobs', 'pauses');
+    RETURN NULL;
+END
+$$;
+
+CREATE OR REPLACE TRIGGER drain_pauses_changed
+    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON drain_pauses
+    FOR EACH STATEMENT EXECUTE FUNCTION drain_pauses_changed();
+
+-- What operators did (drain.postgres.audit): one row per action, written in the
+-- action's own transaction, so that an action and its record commit or vanish
+-- together. actor is who the tool was told acts (the console's user, or
+-- `--actor`, by default the operating system's user and host); db_role is the
+-- database role that ran it, which the database vouches for. target is what
+-- was acted on (a queue, a task, the filter of dead jobs), count how many
+-- rows, reason the operator's why.
+CREATE TABLE IF NOT EXISTS drain_audit (
+    id      bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    at      timestamptz NOT NULL DEFAULT now(),
+    actor   text        NOT NULL,
+    db_role text        NOT NULL DEFAULT current_user,
+    action  text        NOT NULL,
+    target  jsonb       NOT NULL DEFAULT '{}',
+    count   bigint,
+    reason  text
+);
+
 -- The settings of this database's drain, written by `drain migrate`: today
 -- role_prefix, the prefix of this database's four group roles. Readable by
 -- every role (nothing secret: drain names the roles in its errors).
@@ -626,12 +676,17 @@ BEGIN
         EXECUTE format('GRANT SELECT ON drain_schema_state TO %I', role);
         -- It raises and lowers the wake flag (drain/postgres/wakeup.py).
         EXECUTE format('GRANT UPDATE ON SEQUENCE drain_wake TO %I', role);
+        -- It obeys the operators' pauses, and `drain status` shows them.
+        EXECUTE format('GRANT SELECT ON drain_pauses TO %I', role);
     END IF;
     role := prefix || 'operator';
     IF EXISTS (SELECT FROM pg_roles WHERE rolname = role) THEN
         -- `drain stage`, and `drain dead requeue`, which moves rows back.
         EXECUTE format('GRANT INSERT ON staged_jobs TO %I', role);
         EXECUTE format('GRANT SELECT, DELETE ON dead_jobs, drain_processed TO %I', role);
+        -- `drain pause` and `resume`; every action leaves its row in drain_audit.
+        EXECUTE format('GRANT SELECT, INSERT, DELETE ON drain_pauses TO %I', role);
+        EXECUTE format('GRANT SELECT, INSERT ON drain_audit TO %I', role);
     END IF;
     role := prefix || 'consumer';
     IF EXISTS (SELECT FROM pg_roles WHERE rolname = role) THEN
@@ -648,6 +703,8 @@ BEGIN
                            'drain_processed FROM %I', role);
             EXECUTE format('REVOKE SELECT (task_id) ON staged_jobs FROM %I', role);
             EXECUTE format('REVOKE SELECT ON drain_schema_state FROM %I', role);
+            EXECUTE format('REVOKE SELECT, INSERT, DELETE ON drain_pauses FROM %I', role);
+            EXECUTE format('REVOKE SELECT, INSERT ON drain_audit FROM %I', role);
             EXECUTE format('REVOKE UPDATE ON SEQUENCE drain_wake FROM %I', role);
             EXECUTE format('REVOKE EXECUTE ON FUNCTION drain_stage(text, jsonb, jsonb, text, '
                            'integer, text, timestamptz, timestamptz, uuid) FROM %I', role);

@@ -14,7 +14,9 @@ login role             granted, in a database whose prefix is P    runs
 drain_test_stager      P + stager                                   an application staging
 drain_test_runner      P + runner, pg_read_all_stats                ``drain run``, ``status``
 drain_test_operator    P + operator                                 ``drain stage``, ``dead``,
-                                                                    ``processed purge``
+                                                                    ``processed purge``,
+                                                                    ``pause``, ``resume``,
+                                                                    ``pauses``, ``audit``
 drain_test_consumer    P + consumer                                 drain.consumer
 =====================  ==========================================  =======================
 
@@ -66,6 +68,7 @@ GRANTS = {
 COMMAND_ROLES = {
     "run": RUNNER, "status": RUNNER,
     "stage": OPERATOR, "dead": OPERATOR, "processed": OPERATOR,
+    "pause": OPERATOR, "resume": OPERATOR, "pauses": OPERATOR, "audit": OPERATOR,
     "migrate": ADMIN, "backfill": ADMIN, "reconcile": ADMIN,
 }
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from drain.cli.common import Exit, add_database, duration, settings_of
+from drain.cli.operate import actor_of, add_actor, why
 from drain.errors import UsageError
 from drain.limits import MAX_EXPIRES
 from drain.postgres import dead, session
@@ -68,14 +69,20 @@ def add_dead_parser(sub: Any) -> None:
                    help="expire the requeued jobs this long from now, at most 3650d (needed "
                    "for jobs that expired at or before they were due)")
     q.add_argument("--yes", action="store_true", help="do not ask (for scripts)")
+    q.add_argument("--why", type=why, metavar="TEXT", help="why (kept in the audit)")
+    add_actor(q)
     q.set_defaults(func=cmd_dead_requeue)
     q = dead_sub.add_parser(
         "purge",
         help="delete matching dead jobs for good",
-        description="Delete matching dead jobs. Prints the count first; asks unless --yes.",
+        description="Delete matching dead jobs. Prints the count first; asks unless --yes. "
+        "The purge and its drain_audit row (`drain audit`) commit together.",
     )
     _add_dead_filters(q, older_than_required=True)
     q.add_argument("--yes", action="store_true", help="do not ask (for scripts)")
+    q.add_argument("--why", required=True, type=why, metavar="TEXT",
+                   help="why they go (required; kept in the audit)")
+    add_actor(q)
     q.set_defaults(func=cmd_dead_purge)
 
 
@@ -157,13 +164,15 @@ def cmd_dead_requeue(args: argparse.Namespace) -> int:
             "that expires later (406 PRECONDITION_FAILED); leave it out to keep each job's "
             "own time to live")
     return _act_on_dead(
-        args, "requeue", lambda conn, f, shown: dead.requeue(conn, f, args.expires_in, shown),
+        args, "requeue", lambda conn, f, shown: dead.requeue(
+            conn, f, args.expires_in, shown, act=dead.Act(actor_of(args), args.why)),
         "requeued {} job(s)",
     )
 
 
 def cmd_dead_purge(args: argparse.Namespace) -> int:
-    return _act_on_dead(args, "purge", dead.purge, "purged {} dead job(s)")
+    return _act_on_dead(args, "purge", lambda conn, f, shown: dead.purge(
+        conn, f, shown, act=dead.Act(actor_of(args), args.why)), "purged {} dead job(s)")
 
 
 def add_processed_parser(sub: Any) -> None:

@@ -26,6 +26,7 @@ import psycopg
 
 from drain import version
 from drain.cli import dead as cli_dead
+from drain.cli import operate as cli_operate
 from drain.cli import spark as spark_cli
 from drain.cli import status as cli_status
 from drain.cli.common import (
@@ -326,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_dead.add_processed_parser(sub)
     cli_status.add_parser(sub)
+    cli_operate.add_parsers(sub)
     return parser
 
 

@@ -63,6 +63,7 @@ and every nack and return (``drain_nacked_total``, ``drain_unroutable_total``).
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from drain.broker.outgoing import PauseKey
@@ -89,6 +90,10 @@ class Holds:
         #: Rows held out of the fetch while the key they go to is paused: row id
         #: -> that key.
         self.rows: dict[int, PauseKey] = {}
+        #: Queues an operator paused (drain.postgres.pauses): key -> the reason
+        #: given. Paused until the operator resumes them, whatever the broker says:
+        #: never due, never resumed by a declare or a confirm.
+        self.operator: dict[PauseKey, str] = {}
 
     def held_rows(self) -> list[int]:
         """The rows to leave out of the fetch: those whose key is paused now.
@@ -111,11 +116,30 @@ class Holds:
         now = time.monotonic()
         return {key for key, (until, _, _) in self.paused.items() if until <= now}
 
+    def operate(self, keys: dict[PauseKey, str]) -> set[PauseKey]:
+        """The queues operators pause now (``{key: reason}``, all of them): pause the
+        new ones until further notice, and let go of the others. Returns the keys
+        resumed (their rows are fetched again)."""
+        for key in sorted(keys.keys() - self.operator.keys()):
+            count = self.paused.get(key, (0.0, 0, ""))[1]
+            self.paused[key] = (math.inf, count, keys[key])
+            log.warning("%s: publishing paused by an operator (%s); its jobs stay staged "
+                        "until `drain resume`", key, keys[key])
+        resumed = self.operator.keys() - keys.keys()
+        for key in sorted(resumed):
+            self.paused.pop(key, None)
+            log.warning("%s: publishing resumed by an operator", key)
+        self.operator = dict(keys)
+        return set(resumed)
+
     def pause(self, key: PauseKey, reason: str, *, times: int = 0,
               cause: str | None = None) -> None:
         """Leave ``key``'s rows staged for a while (doubling up to MAX_PAUSE, at
         least as after ``times`` pauses) and say why, once per ``cause`` (default:
-        the reason; drain.daemon.piles gives many queues refused alike one cause)."""
+        the reason; drain.daemon.piles gives many queues refused alike one cause).
+        A queue an operator paused stays paused as it is."""
+        if key in self.operator:
+            return
         _, count, _ = self.paused.get(key, (0.0, 0, ""))
         count = max(count, times)
         delay = min(2.0**count, MAX_PAUSE)
@@ -155,7 +179,8 @@ class Holds:
         return entry is not None and entry[0] > time.monotonic()
 
     def resume(self, keys: set[PauseKey]) -> None:
-        for key in sorted(keys & set(self.paused)):
+        """The broker takes ``keys`` again (not those an operator paused)."""
+        for key in sorted((keys & set(self.paused)) - set(self.operator)):
             del self.paused[key]
             log.info("%s: publishing again", key)
 

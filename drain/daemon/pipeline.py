@@ -26,7 +26,7 @@ from drain.broker.publisher import Publisher
 from drain.celery import message, unsendable
 from drain.celery.message import Destination
 from drain.celery.routing import AppRouter, UnknownTask
-from drain.daemon import confirms, piles
+from drain.daemon import confirms, operators, piles
 from drain.daemon.answers import Answers
 from drain.daemon.holds import Holds
 from drain.daemon.metrics import Metrics
@@ -109,6 +109,8 @@ class Pipeline:
         self.piles = piles.HeldKeys()
         #: Many queues refused alike are one warning (drain.daemon.piles).
         self.refusals = piles.Refusals(self.holds, self.answers.refused_reason)
+        #: What operators paused (drain.daemon.operators).
+        self.operators = operators.OperatorPauses(self.holds)
         #: Rows the broker confirmed, this process's lifetime.
         self.published = 0
         #: Waits for the confirms of the batches in flight (drain.daemon.confirms).
@@ -169,6 +171,7 @@ class Pipeline:
             # The marks move only once the batch committed (drain.postgres.keyset, "Only what
             # committed moves a mark"): a rolled-back batch's expired rows come back.
             with self.marks.transaction(), self._store.batch():
+                self._obey_operators()
                 if not (stopping or full):
                     expired, rows = self._expire_and_fetch(exclude, limit)
                     self.settle.read(rows)
@@ -216,6 +219,14 @@ class Pipeline:
         last messages, which it collects as they come): the loop does not idle."""
         return confirms.owed(self.inflight)
 
+    def _obey_operators(self) -> None:
+        """Read the operators' pauses (drain.postgres.pauses) when they changed, in
+        this batch's snapshot: a queue or task paused before it began is not
+        published by it, nor by any batch after, until it is resumed."""
+        pauses = self._store.pauses()
+        if pauses is not None:
+            self.operators.apply(pauses)
+
     def _expire_and_fetch(self, exclude: list[int],
                           limit: int) -> tuple[Settled, list[StagedRow]]:
         """Move expired rows to dead_jobs (when due), then fetch the next batch."""
@@ -249,10 +260,14 @@ class Pipeline:
         # The marks skip the paused keys' rows (by name, by route, held by id), and go
         # back to the start once one is resumed, not the moment its pause runs out: a
         # declare tries it first (drain.daemon.piles.try_due).
-        skipped = sorted(key.queue or str(key) for key in now_paused)
-        marks.paused(sorted(key.queue or str(key) for key in self.holds.paused))
+        # The tasks an operator paused are left out by name, and skipped alike.
+        tasks = self.operators.task_names()
+        skipped_tasks = self.operators.skipped()
+        skipped = sorted(key.queue or str(key) for key in now_paused) + skipped_tasks
+        marks.paused(sorted(key.queue or str(key) for key in self.holds.paused)
+                     + skipped_tasks)
         rows = self._store.fetch(limit, exclude, names, marks.plan(time.monotonic()),
-                                 held_routes=self.piles.held_routes)
+                                 held_routes=self.piles.held_routes, paused_tasks=tasks)
         now = time.monotonic()
         marks.fetched([row.priority for row in rows if row.ready], now)
         # The marks move on a look at the heads now and then, not per batch:
@@ -262,7 +277,7 @@ class Pipeline:
             current = marks.current()
             if current.priorities:
                 heads, xmin = self._store.heads(current, names, self.piles.above,
-                                                self.piles.held_routes)
+                                                self.piles.held_routes, tasks)
                 marks.observe(heads, xmin, skipped)
             marks.observe_timed(*self._store.timed_heads(current))
         self._fetched_at = now

@@ -21,6 +21,7 @@ import psycopg
 from psycopg import sql
 
 from drain.errors import ConfigError, DrainError, SchemaMissing, StagingError
+from drain.postgres import audit
 from drain.postgres import sql as queries
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -74,6 +75,11 @@ class Filters:
                 sql.Placeholder("older_than")))
             params["older_than"] = self.older_than
         return sql.SQL(" AND ").join(conditions), params
+
+    def as_target(self) -> dict[str, Any]:
+        """The filter as drain_audit records it (drain.postgres.audit)."""
+        return {name: format_duration(value) if isinstance(value, dt.timedelta) else value
+                for name, value in dataclasses.asdict(self).items() if value is not None}
 
     def describe(self) -> str:
         parts = [
@@ -132,13 +138,22 @@ def rows(conn: psycopg.Connection[Any], filters: Filters, limit: int) -> list[di
     return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
 
+@dataclasses.dataclass(frozen=True)
+class Act:
+    """Who acts and why, for the action's drain_audit row (drain.postgres.audit)."""
+
+    actor: str
+    reason: str | None = None
+
+
 def requeue(
     conn: psycopg.Connection[Any], filters: Filters, expires_in: dt.timedelta | None = None,
-    expect: int | None = None,
+    expect: int | None = None, *, act: Act,
 ) -> int:
     """Move matching dead jobs back into ``staged_jobs``; returns how many. With
     ``expect`` (the count shown), all of them or none: ChangedSinceShown when
-    another number matches now.
+    another number matches now. The requeue's drain_audit row (``act``) commits
+    with it.
 
     They keep their task id, priority, tag, queue, embed (callbacks, a chain's
     next tasks) and ``queue_legacy`` (a job staged without a queue before the
@@ -156,7 +171,8 @@ def requeue(
     where, params = filters.where()
     with conn.transaction():
         if conn.execute(queries.query("newest_columns_present")).fetchone() != (True,):
-            raise SchemaMissing("dead_jobs has no queue_legacy or trace column (an older "
+            raise SchemaMissing("dead_jobs has no queue_legacy or trace column, or there is "
+                                "no drain_pauses table (an older "
                                 "drain schema): run `drain migrate`")
         if expires_in is None:
             refuse_without_time_to_live(conn, filters)
@@ -173,8 +189,14 @@ def requeue(
             FROM moved
             """
         ).format(where, expires_in=sql.Placeholder("expires_in"))
-        moved = conn.execute(query, {**params, "expires_in": expires_in}).rowcount
-        return _exactly("requeued", moved, expect)
+        moved = _exactly("requeued", conn.execute(
+            query, {**params, "expires_in": expires_in}).rowcount, expect)
+        target = filters.as_target()
+        if expires_in is not None:
+            target["expires_in"] = format_duration(expires_in)
+        audit.record(conn, actor=act.actor, action="requeue", target=target, count=moved,
+                     reason=act.reason)
+        return moved
 
 
 def no_time_to_live(conn: psycopg.Connection[Any], filters: Filters) -> int:
@@ -217,12 +239,18 @@ def refuse_without_time_to_live(conn: psycopg.Connection[Any], filters: Filters)
             "them out (--task, --tag, --reason ...)")
 
 
-def purge(conn: psycopg.Connection[Any], filters: Filters, expect: int | None = None) -> int:
+def purge(conn: psycopg.Connection[Any], filters: Filters, expect: int | None = None,
+          *, act: Act) -> int:
     """Delete matching dead jobs for good; returns how many. With ``expect`` (the
-    count shown), all of them or none (ChangedSinceShown)."""
+    count shown), all of them or none (ChangedSinceShown). ``act`` must say why:
+    the purge's drain_audit row commits with it."""
+    if not (act.reason or "").strip():
+        raise ValueError("a purge needs a reason")
     where, params = filters.where()
     with conn.transaction():
-        purged = conn.execute(
+        purged = _exactly("purged", conn.execute(
             sql.SQL("DELETE FROM dead_jobs WHERE {}").format(where), params
-        ).rowcount
-        return _exactly("purged", purged, expect)
+        ).rowcount, expect)
+        audit.record(conn, actor=act.actor, action="purge", target=filters.as_target(),
+                     count=purged, reason=act.reason)
+        return purged

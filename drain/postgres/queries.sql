@@ -85,7 +85,8 @@ SELECT EXISTS (
 -- backlog drains in order, is not looked up at all, and the rest in a hash of
 -- them built once: `NOT IN (SELECT unnest(...))`, not `<> ALL(...)`, whose
 -- thousands of constants the planner estimated one by one, ~5 ms per fetch at
--- 4,000), the queues the broker is refusing for now, the rows a static
+-- 4,000), the queues the broker is refusing for now and the tasks an operator
+-- paused (paused_tasks: drain.postgres.pauses), the rows a static
 -- --app routes to one of them (held_routes: task name, US, '*' for a row staged
 -- without a queue or '=' and its queue, what drain.celery.routing routes by;
 -- drain.daemon.piles), expired rows (expire
@@ -119,6 +120,7 @@ FROM (
           AND (s.id > %(exclude_max)s::bigint OR s.id < %(exclude_min)s::bigint
                OR s.id NOT IN (SELECT unnest(%(exclude)s::bigint[])))
           AND coalesce(s.queue, 'celery') <> ALL(%(paused)s::text[])
+          AND s.task_name <> ALL(%(paused_tasks)s::text[])
           AND (cardinality(%(held_routes)s::text[]) = 0
                OR s.task_name || E'\x1f' || CASE WHEN s.queue IS NULL
                    OR (s.queue = 'celery' AND s.queue_legacy) THEN '*' ELSE '=' || s.queue END
@@ -135,6 +137,7 @@ FROM (
           AND (s.id > %(exclude_max)s::bigint OR s.id < %(exclude_min)s::bigint
                OR s.id NOT IN (SELECT unnest(%(exclude)s::bigint[])))
           AND coalesce(s.queue, 'celery') <> ALL(%(paused)s::text[])
+          AND s.task_name <> ALL(%(paused_tasks)s::text[])
           AND (cardinality(%(held_routes)s::text[]) = 0
                OR s.task_name || E'\x1f' || CASE WHEN s.queue IS NULL
                    OR (s.queue = 'celery' AND s.queue_legacy) THEN '*' ELSE '=' || s.queue END
@@ -150,6 +153,7 @@ FROM (
        AND (s.id > %(exclude_max)s::bigint OR s.id < %(exclude_min)s::bigint
             OR s.id NOT IN (SELECT unnest(%(exclude)s::bigint[])))
        AND coalesce(s.queue, 'celery') <> ALL(%(paused)s::text[])
+       AND s.task_name <> ALL(%(paused_tasks)s::text[])
        AND (cardinality(%(held_routes)s::text[]) = 0
             OR s.task_name || E'\x1f' || CASE WHEN s.queue IS NULL
                 OR (s.queue = 'celery' AND s.queue_legacy) THEN '*' ELSE '=' || s.queue END
@@ -169,6 +173,7 @@ FROM (
           AND (s.id > %(exclude_max)s::bigint OR s.id < %(exclude_min)s::bigint
                OR s.id NOT IN (SELECT unnest(%(exclude)s::bigint[])))
           AND coalesce(s.queue, 'celery') <> ALL(%(paused)s::text[])
+          AND s.task_name <> ALL(%(paused_tasks)s::text[])
           AND (cardinality(%(held_routes)s::text[]) = 0
                OR s.task_name || E'\x1f' || CASE WHEN s.queue IS NULL
                    OR (s.queue = 'celery' AND s.queue_legacy) THEN '*' ELSE '=' || s.queue END
@@ -182,18 +187,28 @@ ORDER BY priority DESC, xact, id
 LIMIT %(limit)s;
 
 -- name: newest_columns_present
--- Whether staged_jobs and dead_jobs have queue_legacy and trace
--- (staging_schema.sql), the newest columns this drain reads: a schema without
--- them needs `drain migrate`.
-SELECT count(*) = 4 FROM pg_attribute
+-- Whether staged_jobs and dead_jobs have queue_legacy and trace, and the
+-- table drain_pauses is there (staging_schema.sql): the newest objects this
+-- drain reads. A schema without them needs `drain migrate`.
+SELECT count(*) = 4 AND to_regclass('drain_pauses') IS NOT NULL FROM pg_attribute
 WHERE attrelid IN (to_regclass('staged_jobs'), to_regclass('dead_jobs'))
   AND attname IN ('queue_legacy', 'trace') AND NOT attisdropped;
+
+-- name: pauses_present
+-- Whether this schema has drain_pauses (`drain status` on an older one shows none).
+SELECT to_regclass('drain_pauses') IS NOT NULL;
+
+-- name: pauses
+-- The operators' pauses (drain.postgres.pauses), read by the drain in its
+-- batch's snapshot when they changed.
+SELECT kind, name, reason, paused_by, paused_at FROM drain_pauses ORDER BY kind, name;
 
 -- name: fetch_heads
 -- For drain.postgres.keyset, in the batch's own snapshot: that snapshot's xmin, and
 -- for each marked priority (in the order given) the smallest (xact, id) still
 -- staged at or above its mark (NULLs: none), whatever its expiry or flight, in
--- any queue but the paused ones (drain.postgres.keyset, "Paused queues"), and other
+-- any queue but the paused ones (drain.postgres.keyset, "Paused queues"), of any
+-- task but those an operator paused, and other
 -- than the rows held by id or by route (held_routes, as in fetch_batch) for a
 -- paused queue (drain.daemon.piles: by id, those above the marks only). Each is one index descent from (priority, mark),
 -- stepping over the paused queues' and the held rows.
@@ -207,6 +222,7 @@ LEFT JOIN LATERAL (
     WHERE s.not_before IS NULL AND s.priority = m.p
       AND (s.xact, s.id) >= (m.wx::text::xid8, m.wi)
       AND coalesce(s.queue, 'celery') <> ALL(%(paused)s::text[])
+      AND s.task_name <> ALL(%(paused_tasks)s::text[])
       AND (cardinality(%(held_routes)s::text[]) = 0
            OR s.task_name || E'\x1f' || CASE WHEN s.queue IS NULL
                OR (s.queue = 'celery' AND s.queue_legacy) THEN '*' ELSE '=' || s.queue END

@@ -44,6 +44,9 @@ log = logging.getLogger("drain.session")
 
 T = TypeVar("T")
 
+#: The payload of the notification drain_pauses' trigger sends (staging_schema.sql).
+PAUSES_CHANGED = "pauses"
+
 #: Server-side settings of the drain's own session. It must never become the
 #: long transaction that stops vacuum for everyone else, and the server must
 #: notice a vanished drain quickly so that the lock is released for a standby.
@@ -124,6 +127,10 @@ class Session:
         #: drain.daemon.runner); it must not raise.
         self.while_waiting: Callable[[], None] | None = None
         self._watch: Watch | None = None
+        #: The operators' pauses may have changed since they were last read: a
+        #: notification said so (:data:`PAUSES_CHANGED`), or this is a new session
+        #: (set by :meth:`connect`), which heard nothing before it listened.
+        self.pauses_changed = True
 
     @property
     def connected(self) -> bool:
@@ -174,6 +181,7 @@ class Session:
         self._conn = conn
         self.asked_at = time.monotonic()  # the set-up commands below
         self.holds_lock = False
+        self.pauses_changed = True  # nothing heard before this session listens
         try:
             # Refuses a pool that does not keep sessions (fatal), before LISTEN and the lock.
             self.server_pid = check_session(conn, dsn, self._display, self._secrets)
@@ -294,6 +302,8 @@ class Session:
         try:
             for note in conn.notifies(timeout=0):
                 got = got or note.pid != own
+                if note.payload == PAUSES_CHANGED:
+                    self.pauses_changed = True
         except psycopg.Error as exc:
             self.close()
             raise self._unavailable("lost", exc) from None
@@ -387,7 +397,8 @@ class Session:
 RUNNER_GRANT = ("`drain run` and `drain status` need this database's runner role, "
                 "<prefix>runner as `drain migrate` names it")
 #: ... and the operators' commands.
-OPERATOR_GRANT = ("`drain stage`, `drain dead` and `drain processed` need this database's "
+OPERATOR_GRANT = ("`drain stage`, `drain dead`, `drain processed`, `drain pause`, `drain resume` "
+                  "and `drain audit` need this database's "
                   "operator role, <prefix>operator as `drain migrate` names it")
 
 

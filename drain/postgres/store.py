@@ -81,7 +81,8 @@ class Store(Session):
         if not self._ask("newest_columns_present"):
             raise SchemaMissing(
                 f"database {self._display} has an older drain schema (no column "
-                "queue_legacy or trace in staged_jobs and dead_jobs): run `drain migrate`"
+                "queue_legacy or trace in staged_jobs and dead_jobs, or no table "
+                "drain_pauses): run `drain migrate`"
             )
         # A hot standby refuses LISTEN; try_lock waits for its promotion.
         self.in_recovery = self._ask("in_recovery")
@@ -182,13 +183,15 @@ class Store(Session):
         plan: keyset.FetchPlan | None = None,
         *,
         held_routes: list[str] | None = None,
+        paused_tasks: list[str] | None = None,
     ) -> list[StagedRow]:
         """The next ``limit`` due rows, leaving out ``exclude`` (rows in flight),
-        the rows of ``paused`` queues, the rows of ``held_routes`` (drain.daemon.piles)
-        and other lanes' rows; ``plan`` says where each priority's scan starts
-        (None: from the head)."""
+        the rows of ``paused`` queues and ``paused_tasks`` (drain.postgres.pauses),
+        the rows of ``held_routes`` (drain.daemon.piles) and other lanes' rows;
+        ``plan`` says where each priority's scan starts (None: from the head)."""
         params = fetch_params(limit, exclude=exclude, paused=paused, plan=plan,
-                              held_routes=held_routes, **self._lane)
+                              held_routes=held_routes, paused_tasks=paused_tasks,
+                              **self._lane)
         # Binary results: a batch of 1,000 rows read in ~0.3 ms less.
         cur = self._execute("fetch_batch", params, binary=True)
         return list(map(StagedRow._make, cur.fetchall()))
@@ -196,15 +199,16 @@ class Store(Session):
     def heads(
         self, plan: keyset.FetchPlan, paused: list[str] | None = None,
         held: list[int] | None = None, held_routes: list[str] | None = None,
+        paused_tasks: list[str] | None = None,
     ) -> tuple[dict[int, tuple[int, int] | None], int]:
         """For :meth:`keyset.Marks.observe`: each marked priority's smallest staged
-        ``(xact, id)`` at or above its mark outside the ``paused`` queues and the
-        ``held`` rows (held for a paused queue: drain.daemon.piles), and this
-        snapshot's xmin."""
+        ``(xact, id)`` at or above its mark outside the ``paused`` queues and
+        ``paused_tasks`` and the ``held`` rows (held for a paused queue:
+        drain.daemon.piles), and this snapshot's xmin."""
         row = self._execute("fetch_heads", {
             "priorities": plan.priorities, "mark_xacts": plan.mark_xacts,
             "mark_ids": plan.mark_ids, "paused": paused or [], "held": held or [],
-            "held_routes": held_routes or [],
+            "held_routes": held_routes or [], "paused_tasks": paused_tasks or [],
             **self._lane,
         }).fetchone()
         assert row is not None
@@ -214,6 +218,22 @@ class Store(Session):
                                           strict=True):
             found[priority] = None if xact is None else (int(xact), int(row_id))
         return found, int(xmin)  # type: ignore[call-overload]
+
+    def pauses(self) -> list[tuple[str, str, str]] | None:
+        """The operators' pauses (drain.postgres.pauses) as ``(kind, name, reason)``,
+        read in the batch's snapshot, when they may have changed since the last
+        read (a notification, a new session); None otherwise."""
+        if not self.pauses_changed:
+            return None
+        # Cleared first: a notification heard while this reads (for a change after
+        # this snapshot) sets it again.
+        self.pauses_changed = False
+        try:
+            rows = self._execute("pauses").fetchall()
+        except BaseException:
+            self.pauses_changed = True
+            raise
+        return [(str(kind), str(name), str(reason)) for kind, name, reason, *_ in rows]
 
     def delete(self, rows: Mapping[int, int], suspects: Collection[int] = ()) -> Settled:
         """Delete the confirmed rows, each only as it was read (``{id: xact}``); a
@@ -351,6 +371,7 @@ def fetch_params(
     paused: list[str] | None = None,
     plan: keyset.FetchPlan | None = None,
     held_routes: list[str] | None = None,
+    paused_tasks: list[str] | None = None,
     lanes: int = 1,
     lane: int = 0,
 ) -> dict[str, object]:
@@ -363,7 +384,7 @@ def fetch_params(
         # not compared with each excluded id.
         "exclude_min": min(exclude, default=0),
         "exclude_max": max(exclude, default=sql.BIGINT_MIN),
-        "held_routes": held_routes or [],
+        "held_routes": held_routes or [], "paused_tasks": paused_tasks or [],
         "priorities": plan.priorities, "mark_xacts": plan.mark_xacts,
         "mark_ids": plan.mark_ids,
         "gap_above": plan.gap_above, "gap_below": plan.gap_below,

@@ -97,14 +97,24 @@ def test_purge_needs_older_than_and_only_purges_matches(db_url: str) -> None:
     assert missing.returncode == 2 and "--older-than" in missing.stderr
     bad = support.run_cli(db_url, "dead", "purge", "--older-than", "soon", "--yes")
     assert bad.returncode == 2 and "not a duration" in bad.stderr
+    unsaid = support.run_cli(db_url, "dead", "purge", "--older-than", "1d", "--yes")
+    assert unsaid.returncode == 2
+    assert unsaid.stderr.splitlines()[-1] == (
+        "drain dead purge: error: the following arguments are required: --why")
     done = support.run_cli(db_url, "dead", "purge", "--older-than", "1d", "--reason",
-                           "expired", "--yes")
+                           "expired", "--yes", "--why", "old noise", "--actor", "ann")
     assert done.returncode == 0, done.stderr
     assert "purged 2 dead job(s)" in done.stdout
     with psycopg.connect(db_url) as conn:
         left = conn.execute("SELECT id FROM dead_jobs ORDER BY id").fetchall()
+        audited = conn.execute("SELECT actor, action, target, count, reason FROM drain_audit"
+                               ).fetchall()
     assert left == [(2,), (4,)]
-    nothing = support.run_cli(db_url, "dead", "purge", "--older-than", "0s", "--task", "x.y")
+    # The purge's audit row, with the filter it acted on and how many went.
+    assert audited == [("ann", "purge", {"older_than": "1d", "reason": "expired", "upto": 3},
+                        2, "old noise")]
+    nothing = support.run_cli(db_url, "dead", "purge", "--older-than", "0s", "--task", "x.y",
+                              "--why", "none match")
     assert nothing.returncode == 0 and "0 dead job(s) match" in nothing.stdout
 
 
@@ -214,8 +224,10 @@ def test_requeue_refuses_an_expiry_beyond_the_brokers_limit(db_url: str) -> None
 
 @pytest.mark.parametrize("args", [
     ("stage", "t.x"), ("dead", "list"), ("dead", "requeue", "--yes"),
-    ("dead", "purge", "--older-than", "0s", "--yes"), ("processed", "purge", "--older-than", "1d"),
-    ("status",),
+    ("dead", "purge", "--older-than", "0s", "--yes", "--why", "x"),
+    ("processed", "purge", "--older-than", "1d"),
+    ("status",), ("pause", "--queue", "q", "--why", "x"), ("resume", "--task", "t"),
+    ("pauses",), ("audit",),
 ])
 def test_a_missing_schema_says_run_drain_migrate(empty_db_url: str, args: tuple[str, ...]) -> None:
     """Before: a raw UndefinedTable and exit 1, for all but status."""
@@ -295,7 +307,7 @@ def test_what_the_operator_confirms_is_exactly_what_is_moved(db_url: str, action
     and the 50 stay; and the prompt holds no transaction open on dead_jobs."""
     task_ids = _bury(db_url)
     args = ["dead", action, "--task", "mail.send"] + (
-        ["--older-than", "0s"] if action == "purge" else [])
+        ["--older-than", "0s", "--why", "x"] if action == "purge" else [])
     term = _terminal(db_url, *args)
     try:
         support.wait_for(lambda: "them? [y/N]" in term.read(), 30, "the question")
@@ -333,3 +345,22 @@ def test_shown_jobs_gone_meanwhile_move_nothing_and_say_so(db_url: str) -> None:
     assert ("drain: error: 2 dead job(s) were shown, 1 match now (moved or removed "
             "meanwhile): nothing was requeued") in out
     assert support.staged_count(db_url) == 0
+
+
+def test_an_action_whose_audit_row_cannot_be_written_does_nothing(db_url: str) -> None:
+    """An action and its drain_audit row commit together: with the operator role
+    refused the audit (its INSERT revoked in this database only), the purge, the
+    requeue and the pause each fail with exit 5 and change nothing."""
+    _bury(db_url)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(f"REVOKE INSERT ON drain_audit FROM {roles.prefix_of(db_url)}operator")
+    for args in (("dead", "purge", "--older-than", "0s", "--yes", "--why", "x"),
+                 ("dead", "requeue", "--yes"),
+                 ("pause", "--queue", "q", "--why", "x")):
+        ran = support.run_cli(db_url, *args)
+        assert ran.returncode == 5, (args, ran.stderr)
+        assert "permission denied for table drain_audit" in ran.stderr, args
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT count(*) FROM dead_jobs").fetchone() == (len(DEAD_ROWS),)
+        assert conn.execute("SELECT count(*) FROM staged_jobs").fetchone() == (0,)
+        assert conn.execute("SELECT count(*) FROM drain_pauses").fetchone() == (0,)

@@ -171,7 +171,11 @@ def test_the_docs_roles_recipe(
                                           "ops.unknown", "--yes", env=ops))
     support.wait_for(lambda: _count(s, "dead_jobs") == 1, 60, "the unknown task dead again")
     assert "purged 1 dead job(s)" in _ok(cli(s.url("my_ops"), "dead", "purge",
-                                             "--older-than", "0s", "--yes", env=ops))
+                                             "--older-than", "0s", "--yes", "--why",
+                                             "the unknown task is gone for good", env=ops))
+    assert "paused queue" in _ok(cli(s.url("my_ops"), "pause", "--queue", "ops.q", "--why",
+                                     "a test", env=ops))
+    assert "purge " in _ok(cli(s.url("my_ops"), "audit", env=ops))
     with psycopg.connect(s.url("my_worker")) as worker:
         assert consumer.claim(worker, uuid.uuid4())
     assert "purged 0 processed" in _ok(cli(s.url("my_ops"), "processed", "purge",

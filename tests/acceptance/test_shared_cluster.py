@@ -48,6 +48,10 @@ SQL_PROBES: dict[str, tuple[str, frozenset[str]]] = {
     "INSERT drain_processed": (f"INSERT INTO drain_processed VALUES ('{uuid.UUID(int=0)}') "
                                "ON CONFLICT DO NOTHING", frozenset({"worker"})),
     "read drain_processed": ("SELECT * FROM drain_processed", frozenset({"worker", "ops"})),
+    "read drain_pauses": ("SELECT * FROM drain_pauses", frozenset({"drain", "ops"})),
+    "DELETE drain_pauses": ("DELETE FROM drain_pauses WHERE false", frozenset({"ops"})),
+    "INSERT drain_audit": ("INSERT INTO drain_audit (actor, action) VALUES ('t', 'probe')",
+                           frozenset({"ops"})),
 }
 #: The ``drain`` commands, each with the kind of login whose commands they are.
 CLI_PROBES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -55,7 +59,9 @@ CLI_PROBES: dict[str, tuple[tuple[str, ...], str]] = {
     "drain stage": (("stage", "billing.refund_all", "--queue", "{queue}"), "ops"),
     "drain dead list": (("dead", "list"), "ops"),
     "drain dead requeue": (("dead", "requeue", "--task", "nothing.here", "--yes"), "ops"),
-    "drain dead purge": (("dead", "purge", "--older-than", "0s", "--yes"), "ops"),
+    "drain dead purge": (("dead", "purge", "--older-than", "0s", "--yes", "--why", "t"), "ops"),
+    "drain pause": (("pause", "--task", "nothing.here", "--why", "a probe"), "ops"),
+    "drain audit": (("audit",), "ops"),
 }
 KINDS = ("app", "drain", "ops", "worker")
 #: The recipe's login of each kind (docs/running.md), and the group role it is granted.

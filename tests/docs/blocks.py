@@ -124,11 +124,18 @@ for name in ("mail.send", "mail.send_digest", "billing.close_month"):
 '''
 
 #: Makes ``drain run`` in a shell block drain what is due, then exit.
-SHELL_PRELUDE = """\
-drain() {
-    if [ "${1-}" = run ]; then shift; command drain run --exit-when-empty "$@"
-    else command drain "$@"; fi
-}
+#: The ``drain`` commands an operator runs (tests/roles.py): a block's ``drain
+#: pause``, say, runs as the operator role, as in real life.
+OPERATOR_COMMANDS = sorted(c for c, role in roles.COMMAND_ROLES.items() if role == roles.OPERATOR)
+SHELL_PRELUDE = f"""\
+drain() {{
+    case "${{1-}}" in
+        run) shift; command drain run --exit-when-empty "$@" ;;
+        {"|".join(OPERATOR_COMMANDS)})
+            DRAIN_DATABASE_URL="$DRAIN_TEST_OPERATOR_URL" command drain "$@" ;;
+        *) command drain "$@" ;;
+    esac
+}}
 """
 
 
@@ -151,6 +158,7 @@ class Reader:
 
     def env(self) -> dict[str, str]:
         env = support.drain_env(self.db_url)
+        env["DRAIN_TEST_OPERATOR_URL"] = self.url(roles.OPERATOR)
         env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
         env["PYTHONPATH"] = f"{self.workdir}:{support.ROOT}"
         return env

@@ -214,21 +214,22 @@ def test_fetch_never_scans_rows_that_are_not_yet_due(db_url: str, plan_cache_mod
             conn.execute("SET plan_cache_mode = force_generic_plan")
             conn.execute(
                 "PREPARE drain_fetch(int, bigint[], text[], int[], bigint[], bigint[], int[], "
-                "int[], int, int, text, bigint, text[], bigint, bigint) AS "
+                "int[], int, int, text, bigint, text[], bigint, bigint, text[]) AS "
                 + _positional(query, ["limit", "exclude", "paused", "priorities", "mark_xacts",
                                       "mark_ids", "gap_above", "gap_below", "lanes", "lane",
                                       "delayed_from", "timed_xact", "held_routes",
-                                      "exclude_min", "exclude_max"])
+                                      "exclude_min", "exclude_max", "paused_tasks"])
             )
             rows = conn.execute(
                 "EXECUTE drain_fetch(1000, '{}', '{}', '{}', '{}', '{}', '{-32769}', '{32768}', "
-                "1, 0, '-infinity', 0, '{}', 0, -9223372036854775808)"
+                "1, 0, '-infinity', 0, '{}', 0, -9223372036854775808, '{}')"
             ).fetchall()
             # A row id inside the excluded range: looked up among them.
             plan = conn.execute(
                 "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "
                 "EXECUTE drain_fetch(1000, '{-1,1000000000}', '{other}', '{}', '{}', '{}', "
-                "'{-32769}', '{32768}', 1, 0, '-infinity', 0, '{other\x1f*}', -1, 1000000000)"
+                "'{-32769}', '{32768}', 1, 0, '-infinity', 0, '{other\x1f*}', -1, 1000000000, "
+                "'{t.other}')"
             ).fetchone()
     assert {r[0] for r in rows} == wanted, "the fetch must return exactly the due rows"
     assert [r[6] for r in rows] == sorted((r[6] for r in rows), reverse=True)

@@ -70,7 +70,7 @@ def test_a_missing_grant_is_one_line_and_exit_code_5(
 
 
 def test_the_wrong_role_for_a_command_is_told_which_it_needs(db_url: str) -> None:
-    ran = support.run_cli(db_url, "dead", "purge", "--older-than", "0s", "--yes",
+    ran = support.run_cli(db_url, "dead", "purge", "--older-than", "0s", "--yes", "--why", "test",
                           env=support.drain_env(db_url, roles.RUNNER) | {
                               "DRAIN_DATABASE_URL": roles.url(db_url, roles.STAGER)})
     assert ran.returncode == PERMISSION_DENIED, ran.stderr

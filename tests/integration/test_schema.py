@@ -410,7 +410,7 @@ def test_grants(db_url: str) -> None:
 
     with psycopg.connect(urls.operator, autocommit=True) as operator:
         assert dead.count(operator, dead.Filters()) == 1
-        assert dead.requeue(operator, dead.Filters()) == 1
+        assert dead.requeue(operator, dead.Filters(), act=dead.Act("test")) == 1
         drain.stage(operator, "t.by_hand", [5])
         assert_refused(operator, "SELECT * FROM staged_jobs")
         assert_refused(operator, "DELETE FROM staged_jobs")
@@ -573,7 +573,7 @@ def test_a_job_staged_before_the_upgrade_without_a_queue_is_requeued_as_such(
                             "ORDER BY id").fetchall() == [
             ("old.default", "celery", True), ("old.celery.dead.later", "celery", True),
             ("new.celery", "celery", False)]
-        assert dead.requeue(conn, dead.Filters(reason="unknown_task")) == 3
+        assert dead.requeue(conn, dead.Filters(reason="unknown_task"), act=dead.Act("test")) == 3
     assert sorted(_read(db_url)) == [("new.celery", "celery", False),
                                      ("old.celery.dead.later", "celery", True),
                                      ("old.default", "celery", True)]
@@ -585,11 +585,12 @@ def test_a_drain_on_a_schema_from_before_queue_legacy_says_run_drain_migrate(
     support.as_upgraded_by_an_older_drain(db_url, mark=1)
     drainer = store.Store(Settings(database_url=roles.url(db_url, roles.RUNNER)))
     with pytest.raises(SchemaMissing, match=r"queue_legacy or trace in staged_jobs and "
-                                            r"dead_jobs\): run `drain migrate`"):
+                                            r"dead_jobs, or no table drain_pauses\): run "
+                                            r"`drain migrate`"):
         drainer.connect()
     drainer.close()
     with psycopg.connect(db_url) as conn, pytest.raises(SchemaMissing, match="drain migrate"):
-        dead.requeue(conn, dead.Filters())
+        dead.requeue(conn, dead.Filters(), act=dead.Act("test"))
 
 
 # -- the embed column (callbacks, chains) ---------------------------------------------------
@@ -622,6 +623,7 @@ def test_an_expired_job_keeps_its_embed_in_dead_jobs_and_gets_it_back_on_requeue
     with psycopg.connect(db_url) as conn:
         assert conn.execute("SELECT embed FROM dead_jobs").fetchone() == (_EMBED,)
         # It expired before it was staged: it needs a fresh expiry to be requeued.
-        assert dead.requeue(conn, dead.Filters(reason="expired"), dt.timedelta(hours=1)) == 1
+        assert dead.requeue(conn, dead.Filters(reason="expired"), dt.timedelta(hours=1),
+                            act=dead.Act("test")) == 1
         assert conn.execute("SELECT task_name, embed FROM staged_jobs").fetchall() == [
             ("t.expired", _EMBED)]

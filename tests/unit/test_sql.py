@@ -49,7 +49,7 @@ def test_query_names() -> None:
         "wake_flag", "raise_flag", "lower_flag", "silent_writers", "announce", "armed_elsewhere",
         "in_recovery", "take_token", "end_abandoned", "newest_columns_present",
         "testing_staged", "testing_delete", "testing_dead_mark", "testing_dead_since",
-        "schema_tables", "schema_version",
+        "schema_tables", "schema_version", "pauses", "pauses_present",
     }
 
 

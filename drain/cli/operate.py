@@ -1,0 +1,169 @@
+"""``drain pause``, ``drain resume``, ``drain pauses`` and ``drain audit``.
+
+Publishing paused for a queue or a task, by an operator, in the database
+(drain.postgres.pauses): every drain replica obeys it from its next batch,
+staging goes on, and the jobs stay staged until ``drain resume``. Each pause
+and resume writes its ``drain_audit`` row in its own transaction
+(drain.postgres.audit), as ``drain dead requeue`` and ``purge`` do;
+``drain audit`` lists them. :func:`add_parsers` registers the commands for
+:func:`drain.cli.main.build_parser`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from drain.cli.common import Exit, add_database, duration, settings_of
+from drain.errors import UsageError
+from drain.postgres import audit, pauses, session
+from drain.settings import options
+
+
+def add_actor(parser: argparse.ArgumentParser) -> None:
+    """``--actor``: who the audit says acted."""
+    parser.add_argument(
+        "--actor", default=None, metavar="NAME",
+        help="who acts, as drain_audit records it (default: the operating system's "
+        "user@host; the database role is recorded as well)")
+
+
+def why(text: str) -> str:
+    """A ``--why``: some words, not blank."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must say why, in some words (it goes in the audit)")
+    return text
+
+
+def _add_target(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--queue", metavar="QUEUE",
+                        help="the queue jobs are declared into (with `drain run --app`, where "
+                        "the app routes them)")
+    target.add_argument("--task", metavar="TASK", help="the task name, in every queue")
+
+
+def add_parsers(sub: Any) -> None:
+    """Register ``pause``, ``resume``, ``pauses`` and ``audit`` on ``drain``'s subparsers."""
+    p = sub.add_parser(
+        "pause",
+        help="stop publishing a queue's or a task's jobs until `drain resume`",
+        description="Pause publishing the jobs of one queue (--queue) or one task (--task): "
+        "every drain obeys it from its next batch, staging goes on, and the jobs stay "
+        "staged until `drain resume`. Jobs whose expiry passes meanwhile are moved to "
+        "dead_jobs ('expired') as usual. The pause and its audit row commit together.",
+        epilog="With `drain run --app`, a queue is where the app routes the job; a job "
+        "routed to an exchange with no queue declared is paused by its task.",
+    )
+    add_database(p)
+    _add_target(p)
+    p.add_argument("--why", required=True, type=why, metavar="TEXT",
+                   help="why (required; shown by `drain status` and kept in the audit)")
+    add_actor(p)
+    p.set_defaults(func=cmd_pause)
+
+    p = sub.add_parser(
+        "resume",
+        help="publish a paused queue's or task's jobs again",
+        description="End a pause of `drain pause`: every drain publishes the jobs again "
+        "from its next batch. The resume and its audit row commit together.",
+    )
+    add_database(p)
+    _add_target(p)
+    p.add_argument("--why", type=why, metavar="TEXT", help="why (kept in the audit)")
+    add_actor(p)
+    p.set_defaults(func=cmd_resume)
+
+    p = sub.add_parser("pauses", help="list the queues and tasks paused by operators",
+                       description="List the pauses of `drain pause`: what, why, by whom, "
+                       "since when.")
+    add_database(p)
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.set_defaults(func=cmd_pauses)
+
+    p = sub.add_parser(
+        "audit",
+        help="what operators did: pauses, resumes, requeues and purges",
+        description="List drain_audit, newest first: each action of `drain pause`, "
+        "`resume`, `dead requeue` and `dead purge` (and the console's), with who, the "
+        "database role, what, how many rows and why.",
+    )
+    add_database(p)
+    p.add_argument("--action", choices=audit.ACTIONS, help="only this action")
+    p.add_argument("--since", type=duration, metavar="DURATION",
+                   help="only the last DURATION, e.g. 1d, 12h")
+    p.add_argument("--limit", type=options.COUNT, default=50,
+                   help="at most this many (default 50)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.set_defaults(func=cmd_audit)
+
+
+def _target(args: argparse.Namespace) -> tuple[str, str]:
+    kind, name = ("queue", args.queue) if args.queue is not None else ("task", args.task)
+    if not name or len(name.encode()) > 1024:
+        raise UsageError(f"--{kind} must be 1 to 1,024 bytes")
+    return kind, name
+
+
+def actor_of(args: argparse.Namespace) -> str:
+    return str(args.actor) if args.actor else audit.default_actor()
+
+
+def cmd_pause(args: argparse.Namespace) -> int:
+    kind, name = _target(args)
+    with session.connect_plain(settings_of(args)) as conn:
+        made = pauses.pause(conn, kind, name, reason=args.why, actor=actor_of(args))
+        if made is None:
+            now = next(p for p in pauses.current(conn) if (p.kind, p.name) == (kind, name))
+            print(f"{kind} {name!r} is already paused, since {now.paused_at:%Y-%m-%d %H:%M:%S %Z} "
+                  f"by {now.paused_by}: {now.reason} (nothing changed)")
+            return Exit.OK
+    print(f"paused {kind} {name!r}: every drain leaves its jobs staged from its next batch "
+          f"(`drain resume --{kind} {name}` ends it)")
+    return Exit.OK
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    kind, name = _target(args)
+    with session.connect_plain(settings_of(args)) as conn:
+        ended = pauses.resume(conn, kind, name, reason=args.why, actor=actor_of(args))
+    if ended is None:
+        print(f"{kind} {name!r} was not paused (nothing changed)")
+    else:
+        print(f"resumed {kind} {name!r} (paused since {ended.paused_at:%Y-%m-%d %H:%M:%S %Z} "
+              f"by {ended.paused_by}): every drain publishes its jobs from its next batch")
+    return Exit.OK
+
+
+def cmd_pauses(args: argparse.Namespace) -> int:
+    with session.connect_plain(settings_of(args)) as conn:
+        found = pauses.current(conn)
+    if args.json:
+        for pause in found:
+            print(json.dumps(pause.as_json(), sort_keys=True))
+        return Exit.OK
+    if not found:
+        print("nothing paused")
+    for pause in found:
+        print(f"{pause.kind} {pause.name!r}: paused since "
+              f"{pause.paused_at:%Y-%m-%d %H:%M:%S %Z} by {pause.paused_by}: {pause.reason}")
+    return Exit.OK
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    with session.connect_plain(settings_of(args)) as conn:
+        found = audit.entries(conn, limit=args.limit, action=args.action, since=args.since)
+    if args.json:
+        for entry in found:
+            print(json.dumps({**entry, "at": entry["at"].isoformat()}, sort_keys=True))
+        return Exit.OK
+    if not found:
+        print("no actions recorded" + (" that match" if args.action or args.since else ""))
+    for entry in found:
+        target = ", ".join(f"{k}={v}" for k, v in sorted(entry["target"].items())) or "-"
+        count = "" if entry["count"] is None else f" {entry['count']} row(s)"
+        print(f"{entry['at']:%Y-%m-%d %H:%M:%S %Z}  {entry['action']:<8} {target}{count}  "
+              f"by {entry['actor']} (role {entry['db_role']})"
+              + (f": {entry['reason']}" if entry["reason"] else ""))
+    return Exit.OK
