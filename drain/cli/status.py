@@ -138,6 +138,7 @@ def _status_lines(status: dict[str, Any]) -> list[str]:
         shown, groups = len(status["by_group"]), status["group_count"]
         if groups > shown:
             lines.append(f"  ... the {shown} biggest of {groups} groups")
+    lines += _pause_lines(status.get("pauses", []))
     dead_counts = status["dead_by_reason"]
     about = "~" if status.get("dead_estimated") else ""
     lines.append("dead letters: " + (", ".join(f"{reason} {about}{n:,}"
@@ -188,3 +189,10 @@ def _describe_holder(lock: dict[str, Any]) -> str:
         since = f" since {lock['since']} ({_age(max(held.total_seconds(), 0.0))})"
     return (f"pid {lock['pid']} on {lock['host'] or '?'}{since} "
             f"(client {lock['client_addr'] or 'local socket'})")
+
+
+def _pause_lines(pauses: list[dict[str, Any]]) -> list[str]:
+    """The operators' pauses (drain.postgres.pauses), one line each."""
+    return [f"PAUSED by an operator: {p['kind']} {p['name']!r} since {p['paused_at']} by "
+            f"{p['paused_by']}: {p['reason']} (`drain resume --{p['kind']} {p['name']}`)"
+            for p in pauses]

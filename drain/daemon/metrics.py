@@ -157,6 +157,10 @@ class Metrics:
         self.dead_jobs = gauge(
             "drain_dead_jobs_rows", "Rows in dead_jobs now, by reason (sampled; scaled from a "
             "table sample above 100,000 rows, as the backlog).", ("reason",))
+        self.paused = gauge(
+            "drain_operator_paused", f"1 for each queue or task whose publishing an "
+            f"operator paused (`drain pause`; sampled; the first {MAX_GROUPS}, the rest "
+            "as other/other with their count).", ("kind", "name"))
         self.oldest_transaction = gauge(
             "drain_oldest_transaction_age_seconds",
             "Age of the oldest open transaction in the database (sampled; other roles' "
@@ -207,6 +211,10 @@ class Metrics:
             self.dead_jobs.labels(reason)
         for reason, count in status["dead_by_reason"].items():
             self.dead_jobs.labels(reason).set(count)
+        self.paused.clear()
+        for rank, pause in enumerate(status.get("pauses", [])):
+            key = (pause["kind"], pause["name"]) if rank < MAX_GROUPS else ("other", "other")
+            self.paused.labels(*key).inc()
         oldest = status["oldest_transaction"]  # None: no other transaction is open
         self.oldest_transaction.set(oldest["age_seconds"] if oldest else 0)
         self.dead_tuples.set(status["dead_tuples"])

@@ -58,6 +58,8 @@ def read(
       metrics' sample cost the same with 10 million dead jobs as with none. A
       reason too rare to be sampled is missing; ``drain dead list`` counts exactly.
     * ``lock`` (its holder) and ``lanes`` (holders by lane).
+    * ``pauses``: the queues and tasks whose publishing an operator paused
+      (drain.postgres.pauses), with why, by whom and since when.
     * ``database``: the database read, as connected to (user, host, port, name;
       no password).
     * ``schema``: the version ``drain migrate`` recorded (None: none, an older
@@ -80,6 +82,7 @@ def read(
             ready_age, due_age = _first(conn, "backlog_oldest")
             dead, dead_sample = _dead_by_reason(conn, estimate_above, sample_pages)
             oldest_xact = conn.execute(sql.query("oldest_transaction")).fetchone()
+            paused = (_rows(conn, "pauses") if _first(conn, "pauses_present")[0] else [])
             lock = _holder(conn, lock_key >> 32, lock_key, form=1)
             lanes: dict[str, list[dict[str, Any]]] = {}
             for (count,) in conn.execute(sql.query("lanes_in_use"),
@@ -124,6 +127,11 @@ def read(
         "lock": {"key": lock_key, **lock},
         "lanes": lanes,
         "schema": {"version": version, "drain": migration.SCHEMA_VERSION},
+        "pauses": [
+            {"kind": kind, "name": name, "reason": reason, "paused_by": by,
+             "paused_at": at.isoformat() if isinstance(at, dt.datetime) else None}
+            for kind, name, reason, by, at in paused
+        ],
     }
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import psycopg
 
 import drain
+from drain.postgres import pauses
 from tests import roles, support
 from tests.deploy import common
 
@@ -90,6 +91,7 @@ def test_the_sampled_backlog_and_oldest_transaction_match_the_database(
         # Delayed rows stay staged: a backlog that holds still.
         for i in range(7):
             drain.stage(conn, "t.later", [i], queue=queue, tag="report", countdown=3600)
+        pauses.pause(conn, "task", "t.later", reason="a test", actor="tester")
     with psycopg.connect(db_url) as idle:
         idle.execute("SELECT 1")  # an open transaction, idle: what vacuum waits for
         _start(spawn, db_url, port, "leader")
@@ -102,6 +104,7 @@ def test_the_sampled_backlog_and_oldest_transaction_match_the_database(
         _, text = _get(port, "/metrics")
         assert _metric(text, "drain_backlog_group_rows", f'queue="{queue}",tag="report"') == 7
         assert _metric(text, "drain_backlog_estimated") == 0
+        assert _metric(text, "drain_operator_paused", 'kind="task",name="t.later"') == 1
         # Every row is delayed an hour: none is due, none has waited.
         assert _metric(text, "drain_backlog_oldest_age_seconds") == 0
         assert _metric(text, "drain_staged_jobs_dead_tuples") is not None
@@ -204,7 +207,7 @@ def test_a_metrics_port_in_use_is_a_one_line_error(db_url: str) -> None:
 
 #: Series whose label values are data (a queue, a tag), not known in advance: a
 #: drain with an empty backlog has none of them, and says so by their absence.
-DATA_LABELLED = {"drain_backlog_group_rows"}
+DATA_LABELLED = {"drain_backlog_group_rows", "drain_operator_paused"}
 
 
 def test_a_fresh_drain_exports_every_series_the_dashboard_and_alerts_query(

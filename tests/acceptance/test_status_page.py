@@ -29,6 +29,7 @@ import psycopg
 import pytest
 
 import drain
+from drain.postgres import pauses
 from drain.settings import config
 from tests import support
 
@@ -44,6 +45,8 @@ READ_PAGE = """(() => {
     dead[row.dataset.reason] = Number(row.dataset.value);
   const groups = [...document.querySelectorAll('#groups tr')].map((r) => [
     r.dataset.queue, r.dataset.tag, r.dataset.task, Number(r.dataset.value)]);
+  const pauses = [...document.querySelectorAll('#pauses tr.paused')].map((r) => [
+    r.dataset.kind, r.dataset.name, r.textContent]);
   const xact = document.getElementById('oldest-transaction');
   const lock = document.getElementById('lock');
   return {
@@ -52,7 +55,7 @@ READ_PAGE = """(() => {
     backlog: v('backlog'), backlog_text: t('backlog'), delayed: v('delayed'),
     oldest_age: v('oldest-age'), dead: dead, dead_total: v('dead-total'),
     dead_none: !!document.getElementById('dead-none'), dead_tuples: v('dead-tuples'),
-    groups: groups, published: v('published'), rate: v('rate'),
+    groups: groups, published: v('published'), rate: v('rate'), pauses: pauses,
     xact_pid: xact.dataset.pid, xact_age: xact.dataset.value, xact_text: xact.textContent,
     lock_held: lock.dataset.held, lock_pid: lock.dataset.pid, schema: v('schema'),
     chart_points: Number(document.getElementById('chart').dataset.points),
@@ -245,6 +248,8 @@ def _page_matches(page: dict[str, Any], status: dict[str, Any]) -> bool:
         and sorted(tuple(g) for g in page["groups"])
         == sorted((g["queue"], g["tag"] or "", g["task"], g["count"])
                   for g in status["by_group"])
+        and [p[:2] for p in page["pauses"]] == [[p["kind"], p["name"]]
+                                                for p in status["pauses"]]
     )
 
 
@@ -263,6 +268,8 @@ def test_status_page_shows_what_drain_status_shows(
         idle.execute("SELECT 1")  # BEGIN ... now idle in transaction
         idle_pid = idle.info.backend_pid
         _stage(db_url, queue)
+        with psycopg.connect(db_url, autocommit=True) as conn:  # delayed jobs: phase 2 holds
+            pauses.pause(conn, "task", "mail.send", reason="mail relay down", actor="page-test")
         port = support.free_port()
         runner = spawn(support.drain_argv("run", "--metrics-port", str(port),
                                           "--metrics-interval", "1", "--poll-interval", "0.5"),
@@ -283,6 +290,8 @@ def test_status_page_shows_what_drain_status_shows(
         assert page["role"] == "standby" and page["error"] is None
         assert page["schema"] == str(expected["schema"]["version"])
         assert page["dead"] == {"expired": 3, "too_large": 2}
+        [shown] = page["pauses"]
+        assert shown[:2] == ["task", "mail.send"] and "page-test: mail relay down" in shown[2]
         assert page["lock_held"] == "true" and page["lock_pid"] == str(expected["lock"]["pid"])
         assert page["xact_pid"] == str(idle_pid) and "page-test idle" in page["xact_text"]
         # Ages grow: the page's sample was taken before this `drain status`, by at most

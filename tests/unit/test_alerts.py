@@ -65,6 +65,7 @@ CONTRACT_GAUGES = {
     "drain_backlog_group_rows",
     "drain_backlog_oldest_age_seconds",
     "drain_dead_jobs_rows",
+    "drain_operator_paused",
     "drain_oldest_transaction_age_seconds",
     "drain_staged_jobs_dead_tuples",
     "drain_sample_timestamp_seconds",
