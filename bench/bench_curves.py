@@ -1,6 +1,6 @@
 """How the drain's cost grows with the work: curves, not points, each a ratio in one run.
 
-    python bench/bench_curves.py [--curves backlog,queues,held,refused,locked,dead,series]
+    python bench/bench_curves.py [--curves backlog,queues,held,paused,refused,locked,dead,series]
                                  [--good 20000] [--<curve> 0,1000,...] [--smoke] [--docs-png]
 
 Each point is a fresh database with a pile staged by SQL (bench/curves.py), then
@@ -16,6 +16,9 @@ Each point is a fresh database with a pile staged by SQL (bench/curves.py), then
   (bench/curves_app.py routes rows staged without a queue: plain ``task_routes``,
   a router function that routes by name, and one that reads the arguments,
   reported apart);
+* ``paused``: the good jobs' rate with 100,000 rows staged before them for a queue an
+  operator paused (`drain pause`), without and with ``--app``, or for a paused task,
+  against no pause and no pile: what a pause costs the rest (issue 39);
 * ``refused``: with 0, 1 or 1,000 refused queues of 5 rows each;
 * ``locked``: with 0 or 1,000 rows locked by an open ``SELECT ... FOR UPDATE``, and
   how often the locked jobs were delivered once the lock went;
@@ -52,9 +55,11 @@ GOAL_SCRAPE = 0.5
 DOCS_PNG = harness.ROOT / "docs" / "curves.png"
 
 FULL = {"backlog": "20000,1000000,10000000", "queues": "1,2000,10000", "held": "0,100000",
+        "paused": "0,100000",
         "refused": "0,1,1000", "locked": "0,1000", "dead": "0,1000000,10000000",
         "series": "10,1000,10000"}
-SMOKE = {"backlog": "1000,5000", "queues": "1,20", "held": "0,2000", "refused": "0,20",
+SMOKE = {"backlog": "1000,5000", "queues": "1,20", "held": "0,2000", "paused": "0,2000",
+         "refused": "0,20",
          "locked": "0,50", "dead": "0,5000", "series": "10,100"}
 
 
@@ -68,16 +73,22 @@ def measure(name: str, xs: list[int], good: int) -> dict[str, list[dict[str, Any
         "dead": lambda x: curves.dead(x, free_port()),
         "series": lambda x: curves.series(x, max(2 * x, 2000), free_port()),
     }
+    point["paused"] = lambda x: curves.paused(x, good)
+    point["paused --app"] = lambda x: curves.paused(x, good, app="app")
+    point["paused (a task)"] = lambda x: curves.paused(x, good, kind="task")
     point["held"] = lambda x: curves.held(x, good)
     point["held --app"] = lambda x: curves.held(x, good, app="app")
     point["held --app, a router function"] = lambda x: curves.held(x, good, app="function")
     point["held --app, a router reading the arguments"] = (
         lambda x: curves.held(x, good, app="arguments"))
-    variants = ({"": name} if name != "held" else
-                {"": "held", "--app": "held --app",
-                 "--app, a router function": "held --app, a router function",
-                 "--app, a router reading the arguments":
-                     "held --app, a router reading the arguments"})
+    variants = {"": name}
+    if name == "held":
+        variants = {"": "held", "--app": "held --app",
+                    "--app, a router function": "held --app, a router function",
+                    "--app, a router reading the arguments":
+                        "held --app, a router reading the arguments"}
+    elif name == "paused":
+        variants = {"": "paused", "--app": "paused --app", "(a task)": "paused (a task)"}
     return {variant: [_point(key, x, point[key]) for x in xs] for variant, key in variants.items()}
 
 

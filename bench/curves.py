@@ -28,6 +28,7 @@ from pika.adapters.select_connection import SelectConnection
 
 from drain.broker.queue_declare import DECLARE_CHANNELS
 from drain.daemon.runner import Drain
+from drain.postgres import pauses
 from drain.postgres import status as drain_status
 from drain.settings.config import Settings
 from drain.settings.urls import broker_parameters
@@ -235,6 +236,30 @@ def held(pile: int, good: int, *, app: str = "") -> dict[str, Any]:
         sql_stage(url, good, None if app else good_queue, GOOD)
         rate = good_rate(url, good_queue, good, app=f"curves_app:{app}" if app else "")
         return {"x": pile, "rate": rate}
+
+
+def paused(pile: int, good: int, *, kind: str = "queue", app: str = "") -> dict[str, Any]:
+    """``pile`` rows of a queue, or a task (``kind``), whose publishing an operator
+    paused (`drain pause`, drain.postgres.pauses), staged before ``good`` jobs of
+    another queue and task; 0: no pause, no pile. With ``app`` ("app", plain
+    routes), both are staged without a queue and routed by it. Timed by the
+    drain's own count: the paused rows are never confirmed."""
+    with harness.Setup("curve_paused") as setup:
+        url = setup.database()
+        held_queue = setup.queue("paused", routed=bool(app))
+        good_queue = setup.queue("good", routed=bool(app))
+        curves_app.route_static(held_queue, good_queue)
+        if pile:
+            with psycopg.connect(url, autocommit=True) as conn:
+                pauses.pause(conn, kind, held_queue if kind == "queue" else PILE,
+                             reason="bench_curves", actor="bench")
+        sql_stage(url, pile, None if app else held_queue, PILE)
+        sql_stage(url, good, None if app else good_queue, GOOD)
+        seconds = timed_drain(url, good, app=f"curves_app:{app}" if app else "",
+                              what="the jobs of the queue not paused")
+        if pile:
+            assert staged_count(url) == pile, "a paused job was published"
+        return {"x": pile, "rate": good / seconds}
 
 
 def refused(count: int, good: int, per_queue: int = 5) -> dict[str, Any]:
