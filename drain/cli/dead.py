@@ -24,6 +24,27 @@ from drain.limits import MAX_EXPIRES
 from drain.postgres import dead, session
 from drain.settings import options
 
+#: Dead jobs a requeue or purge moves per transaction (``--chunk``).
+CHUNK = 10_000
+#: The most dead jobs one requeue or purge may act on (``--max``).
+MAX_ROWS = 1_000_000
+
+
+def _add_bulk(parser: argparse.ArgumentParser) -> None:
+    """The flags of a requeue or purge by filter: dry run, confirmation, chunks, limit."""
+    parser.add_argument("--yes", action="store_true", help="do not ask (for scripts)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="only count, and print a --confirm token bound to these filters "
+                        "and that count")
+    parser.add_argument("--confirm", metavar="TOKEN",
+                        help="act, without asking, on exactly what the --dry-run that printed "
+                        "TOKEN counted (refused if that is no longer so)")
+    parser.add_argument("--chunk", type=options.COUNT, default=CHUNK, metavar="N",
+                        help=f"move at most N jobs per transaction, each with its audit row "
+                        f"(default {CHUNK:,})")
+    parser.add_argument("--max", type=options.COUNT, default=MAX_ROWS, metavar="N",
+                        help=f"refuse to act on more than N jobs (default {MAX_ROWS:,})")
+
 
 def _add_dead_filters(parser: argparse.ArgumentParser, *, older_than_required: bool) -> None:
     add_database(parser)
@@ -68,7 +89,11 @@ def add_dead_parser(sub: Any) -> None:
     q.add_argument("--expires-in", type=duration, metavar="DURATION",
                    help="expire the requeued jobs this long from now, at most 3650d (needed "
                    "for jobs that expired at or before they were due)")
-    q.add_argument("--yes", action="store_true", help="do not ask (for scripts)")
+    q.add_argument("--new-task-id", action="store_true",
+                   help="give each a new task id: it runs again even where a worker that "
+                   "dedupes by task id (drain.consumer) already ran it (default: each keeps "
+                   "its own, and such a worker skips it)")
+    _add_bulk(q)
     q.add_argument("--why", type=why, metavar="TEXT", help="why (kept in the audit)")
     add_actor(q)
     q.set_defaults(func=cmd_dead_requeue)
@@ -79,7 +104,7 @@ def add_dead_parser(sub: Any) -> None:
         "The purge and its drain_audit row (`drain audit`) commit together.",
     )
     _add_dead_filters(q, older_than_required=True)
-    q.add_argument("--yes", action="store_true", help="do not ask (for scripts)")
+    _add_bulk(q)
     q.add_argument("--why", required=True, type=why, metavar="TEXT",
                    help="why they go (required; kept in the audit)")
     add_actor(q)
@@ -93,7 +118,6 @@ def _filters(args: argparse.Namespace) -> dead.Filters:
 
 def _confirm(what: str, count: int, filters: dead.Filters, yes: bool) -> bool:
     """Say how many jobs match; go ahead with --yes or an answer of y at a terminal."""
-    print(f"{count} dead job(s) match ({filters.describe()})")
     if count == 0:
         return False
     if yes:
@@ -149,11 +173,43 @@ def _act_on_dead(
     with session.connect_plain(settings_of(args)) as conn:
         if what == "requeue" and args.expires_in is None:
             dead.refuse_without_time_to_live(conn, filters)  # before asking
-        count, bound = dead.shown(conn, filters)
+        # The token binds the options that change what the action does, too.
+        bound_to = what + (" --new-task-id" if getattr(args, "new_task_id", False) else "")
+        if args.confirm is not None:
+            count, bound = dead.confirmed(bound_to, filters, args.confirm)
+            now, _ = dead.shown(conn, bound)
+            dead.exactly(f"{what}d", now, count)
+        else:
+            count, bound = dead.shown(conn, filters)
         conn.rollback()  # nothing read stays locked or held while the operator answers
-        if not _confirm(what, count, filters, args.yes):
+        print(f"{count:,} dead job(s) match ({filters.describe()})")
+        if what == "requeue" and count:
+            print("each gets a new task id: it runs again, even where it already ran"
+                  if args.new_task_id else "each keeps its task id: a worker that dedupes by "
+                  "task id (drain.consumer) skips one it already processed")
+        if count > args.max:
+            raise UsageError(f"{count:,} dead jobs match, more than --max {args.max:,}: narrow "
+                             "the filters, or raise --max")
+        if args.dry_run:
+            if count:
+                print(f"to {what} exactly these: the same command with --confirm "
+                      f"{dead.token(bound_to, bound, count)}")
             return Exit.OK
-        print(done.format(act(conn, bound, count)))
+        if not _confirm(what, count, filters, args.yes or args.confirm is not None):
+            return Exit.OK
+        if count <= args.chunk:
+            print(done.format(act(conn, bound, count)))
+            return Exit.OK
+        total = 0
+        try:
+            for chunk, expect in dead.chunks(conn, bound, args.chunk):
+                total += act(conn, chunk, expect)
+                print(done.format(f"{total:,} of {count:,}"), flush=True)
+            dead.exactly(f"{what}d", total, count)
+        except dead.ChangedSinceShown as exc:
+            raise dead.ChangedSinceShown(
+                f"{total:,} of the {count:,} were {what}d, in the chunks before; then {exc}"
+            ) from None
     return Exit.OK
 
 
@@ -165,7 +221,8 @@ def cmd_dead_requeue(args: argparse.Namespace) -> int:
             "own time to live")
     return _act_on_dead(
         args, "requeue", lambda conn, f, shown: dead.requeue(
-            conn, f, args.expires_in, shown, act=dead.Act(actor_of(args), args.why)),
+            conn, f, args.expires_in, shown, act=dead.Act(actor_of(args), args.why),
+            new_task_ids=args.new_task_id),
         "requeued {} job(s)",
     )
 

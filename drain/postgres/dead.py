@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
+import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -57,6 +60,9 @@ class Filters:
     #: Only dead jobs of a dead_id up to this: the ones that matched when they were
     #: counted and shown (:func:`shown`), not those dead-lettered since.
     upto: int | None = None
+    #: Only dead jobs of a dead_id above this: a chunk after the ones before it
+    #: (:func:`chunks`).
+    after: int | None = None
 
     def where(self) -> tuple[sql.Composable, dict[str, Any]]:
         conditions: list[sql.Composable] = [sql.SQL("TRUE")]
@@ -64,6 +70,9 @@ class Filters:
         if self.upto is not None:
             conditions.append(sql.SQL("dead_id <= {}").format(sql.Placeholder("upto")))
             params["upto"] = self.upto
+        if self.after is not None:
+            conditions.append(sql.SQL("dead_id > {}").format(sql.Placeholder("after")))
+            params["after"] = self.after
         for column, value in (("reason", self.reason), ("task_name", self.task),
                               ("tag", self.tag), ("queue", self.queue)):
             if value is not None:
@@ -85,7 +94,7 @@ class Filters:
         parts = [
             f"{name}={format_duration(value) if isinstance(value, dt.timedelta) else value}"
             for name, value in dataclasses.asdict(self).items()
-            if value is not None and name != "upto"
+            if value is not None and name not in ("upto", "after")
         ]
         return ", ".join(parts) if parts else "no filter"
 
@@ -110,7 +119,7 @@ class ChangedSinceShown(DrainError):
     drain dead-lettered or someone moved some meanwhile. Nothing was done."""
 
 
-def _exactly(what: str, done: int, expect: int | None) -> int:
+def exactly(what: str, done: int, expect: int | None) -> int:
     """``done`` when it is what was shown (``expect``; None: not bound), else raise
     ChangedSinceShown (inside the action's transaction, which it rolls back)."""
     if expect is not None and done != expect:
@@ -146,14 +155,59 @@ class Act:
     reason: str | None = None
 
 
+def token(action: str, filters: Filters, count: int) -> str:
+    """What a dry run gives (``--dry-run``) and an action takes back (``--confirm``):
+    ``<upto>-<count>-<digest>``, bound to the action, the filters as shown (their
+    ``upto``) and the count. The digest only keeps a token from being used with
+    other filters or another action by mistake; it is no secret."""
+    bound = {**filters.as_target(), "action": action, "count": count}
+    digest = hashlib.sha256(json.dumps(bound, sort_keys=True).encode()).hexdigest()[:12]
+    return f"{filters.upto or 0}-{count}-{digest}"
+
+
+def confirmed(action: str, filters: Filters, given: str) -> tuple[int, Filters]:
+    """The count and bound filters a ``--confirm`` token stands for, when it was made
+    by a dry run of this ``action`` with these ``filters``; ConfigError otherwise."""
+    upto, count, _ = [*given.split("-", 2), "", ""][:3]
+    if upto.isdigit() and count.isdigit():
+        bound = dataclasses.replace(filters, upto=int(upto))
+        if token(action, bound, int(count)) == given:
+            return int(count), bound
+    raise ConfigError(f"--confirm {given!r} was not made by `--dry-run` of this {action} with "
+                      "these filters and options: run the dry run again and pass the token it "
+                      "prints")
+
+
+def chunks(conn: psycopg.Connection[Any], filters: Filters,
+           size: int) -> Iterator[tuple[Filters, int]]:
+    """``filters`` (bound by :func:`shown`) cut in chunks of at most ``size`` dead jobs,
+    by dead_id, each with how many it holds now: act on one, then ask for the next."""
+    after = 0
+    while True:
+        chunk = dataclasses.replace(filters, after=after)
+        where, params = chunk.where()
+        row = conn.execute(
+            sql.SQL("SELECT count(*), max(dead_id) FROM (SELECT dead_id FROM dead_jobs "
+                    "WHERE {} ORDER BY dead_id LIMIT {}) AS c").format(
+                where, sql.Placeholder("size")), {**params, "size": size}).fetchone()
+        conn.rollback()  # nothing held between chunks
+        if row is None or not row[0]:
+            return
+        count, last = int(row[0]), int(row[1])
+        yield dataclasses.replace(chunk, upto=min(last, filters.upto or last)), count
+        after = last
+
+
 def requeue(
     conn: psycopg.Connection[Any], filters: Filters, expires_in: dt.timedelta | None = None,
-    expect: int | None = None, *, act: Act,
+    expect: int | None = None, *, act: Act, new_task_ids: bool = False,
 ) -> int:
     """Move matching dead jobs back into ``staged_jobs``; returns how many. With
     ``expect`` (the count shown), all of them or none: ChangedSinceShown when
     another number matches now. The requeue's drain_audit row (``act``) commits
-    with it.
+    with it. ``new_task_ids``: each gets a new task id (a worker that dedupes by
+    task id, drain.consumer, runs it even if it ran before); by default it keeps
+    its own (such a worker skips a job it already processed).
 
     They keep their task id, priority, tag, queue, embed (callbacks, a chain's
     next tasks) and ``queue_legacy`` (a job staged without a queue before the
@@ -181,19 +235,24 @@ def requeue(
             WITH moved AS (DELETE FROM dead_jobs WHERE {} RETURNING *)
             INSERT INTO staged_jobs (task_id, task_name, args, kwargs, queue, queue_legacy,
                                      priority, tag, not_before, expires_at, embed, trace)
-            SELECT task_id, task_name, args, kwargs, queue, queue_legacy, priority, tag, NULL,
+            SELECT CASE WHEN {new_ids}::boolean THEN gen_random_uuid() ELSE task_id END,
+                   task_name, args, kwargs, queue, queue_legacy, priority, tag, NULL,
                    CASE WHEN {expires_in}::interval IS NOT NULL THEN now() + {expires_in}
                         WHEN expires_at IS NOT NULL
                             THEN now() + (expires_at - coalesce(not_before, staged_at))
                    END, embed, trace || '{{"drain.link": "requeued"}}'
             FROM moved
             """
-        ).format(where, expires_in=sql.Placeholder("expires_in"))
-        moved = _exactly("requeued", conn.execute(
-            query, {**params, "expires_in": expires_in}).rowcount, expect)
+        ).format(where, expires_in=sql.Placeholder("expires_in"),
+                 new_ids=sql.Placeholder("new_ids"))
+        moved = exactly("requeued", conn.execute(
+            query, {**params, "expires_in": expires_in, "new_ids": new_task_ids}).rowcount,
+            expect)
         target = filters.as_target()
         if expires_in is not None:
             target["expires_in"] = format_duration(expires_in)
+        if new_task_ids:
+            target["new_task_ids"] = True
         audit.record(conn, actor=act.actor, action="requeue", target=target, count=moved,
                      reason=act.reason)
         return moved
@@ -248,7 +307,7 @@ def purge(conn: psycopg.Connection[Any], filters: Filters, expect: int | None = 
         raise ValueError("a purge needs a reason")
     where, params = filters.where()
     with conn.transaction():
-        purged = _exactly("purged", conn.execute(
+        purged = exactly("purged", conn.execute(
             sql.SQL("DELETE FROM dead_jobs WHERE {}").format(where), params
         ).rowcount, expect)
         audit.record(conn, actor=act.actor, action="purge", target=filters.as_target(),

@@ -364,3 +364,69 @@ def test_an_action_whose_audit_row_cannot_be_written_does_nothing(db_url: str) -
         assert conn.execute("SELECT count(*) FROM dead_jobs").fetchone() == (len(DEAD_ROWS),)
         assert conn.execute("SELECT count(*) FROM staged_jobs").fetchone() == (0,)
         assert conn.execute("SELECT count(*) FROM drain_pauses").fetchone() == (0,)
+
+
+def _bury_many(db_url: str, n: int, reason: str = "invalid") -> None:
+    with psycopg.connect(db_url) as conn:
+        conn.execute(
+            "INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, priority, "
+            "staged_at, reason) SELECT -g, gen_random_uuid(), 'bulk.job', '[1]', '{}', 'celery', "
+            "0, now(), %s FROM generate_series(1, %s) g", (reason, n))
+
+
+def test_a_dry_run_binds_the_action_to_its_filters_and_count_and_it_runs_in_chunks(
+    db_url: str,
+) -> None:
+    """Issue 39, bulk by filter: the dry run counts and prints a token; the action with
+    --confirm moves exactly those (not the ones dead-lettered since), a chunk per
+    transaction with its audit row and its progress, under a hard limit."""
+    _bury_many(db_url, 25)
+    dry = support.run_cli(db_url, "dead", "requeue", "--reason", "invalid", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.splitlines()[:2] == [
+        "25 dead job(s) match (reason=invalid)",
+        "each keeps its task id: a worker that dedupes by task id (drain.consumer) skips one "
+        "it already processed"]
+    token = dry.stdout.split("--confirm ")[1].strip()
+    assert support.staged_count(db_url) == 0  # a dry run moves nothing
+    _bury_many(db_url, 5)  # dead-lettered after the dry run: left alone
+
+    # The token is bound to its action, its filters and its options.
+    for args in (("dead", "purge", "--older-than", "0s", "--reason", "invalid", "--why", "x"),
+                 ("dead", "requeue"), ("dead", "requeue", "--reason", "invalid",
+                                       "--new-task-id")):
+        refused = support.run_cli(db_url, *args, "--confirm", token)
+        assert refused.returncode == 2, (args, refused.stdout, refused.stderr)
+        assert "was not made by `--dry-run`" in refused.stderr
+    limited = support.run_cli(db_url, "dead", "requeue", "--reason", "invalid",
+                              "--confirm", token, "--max", "24")
+    assert limited.returncode == 2 and "more than --max 24" in limited.stderr
+
+    done = support.run_cli(db_url, "dead", "requeue", "--reason", "invalid", "--confirm", token,
+                           "--chunk", "10", "--why", "consumer fixed")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[2:] == [
+        "requeued 10 of 25 job(s)", "requeued 20 of 25 job(s)", "requeued 25 of 25 job(s)"]
+    assert support.staged_count(db_url) == 25
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT count(*) FROM dead_jobs").fetchone() == (5,)
+        audited = conn.execute("SELECT action, count, reason FROM drain_audit ORDER BY id"
+                               ).fetchall()
+    assert audited == [("requeue", 10, "consumer fixed"), ("requeue", 10, "consumer fixed"),
+                       ("requeue", 5, "consumer fixed")]
+    # Used again, it no longer matches what it counted: nothing is done.
+    again = support.run_cli(db_url, "dead", "requeue", "--reason", "invalid", "--confirm", token)
+    assert again.returncode == 1 and "were shown" in again.stderr, again.stderr
+
+
+def test_requeue_with_new_task_ids_says_so_and_records_it(db_url: str) -> None:
+    task_ids = set(_bury(db_url).values())
+    done = support.run_cli(db_url, "dead", "requeue", "--task", "mail.send", "--new-task-id",
+                           "--yes")
+    assert done.returncode == 0, done.stderr
+    assert "each gets a new task id: it runs again, even where it already ran" in done.stdout
+    with psycopg.connect(db_url) as conn:
+        staged = {str(r[0]) for r in conn.execute("SELECT task_id FROM staged_jobs")}
+        [(target,)] = conn.execute("SELECT target FROM drain_audit").fetchall()
+    assert len(staged) == 2 and not staged & task_ids
+    assert target["new_task_ids"] is True and target["task"] == "mail.send"
