@@ -344,6 +344,14 @@ END
 $$;
 CREATE INDEX IF NOT EXISTS dead_jobs_reason_idx ON dead_jobs (reason, dead_at);
 CREATE INDEX IF NOT EXISTS dead_jobs_id_idx ON dead_jobs (id);
+-- One for each filter of `drain dead list` (and the console), newest first:
+-- each stays an index scan on a table of 10 million dead jobs
+-- (drain.postgres.dead). Dead-lettering is rare, so they cost the drain little.
+CREATE INDEX IF NOT EXISTS dead_jobs_dead_at_idx ON dead_jobs (dead_at);
+CREATE INDEX IF NOT EXISTS dead_jobs_task_idx ON dead_jobs (task_name, dead_at);
+CREATE INDEX IF NOT EXISTS dead_jobs_queue_idx ON dead_jobs (queue, dead_at);
+CREATE INDEX IF NOT EXISTS dead_jobs_tag_idx ON dead_jobs (tag, dead_at);
+CREATE INDEX IF NOT EXISTS dead_jobs_task_id_idx ON dead_jobs (task_id);
 
 -- What `drain migrate` changed in place, for drains from before
 -- queue_legacy to read: one row per change whose effect depends on when it

@@ -22,8 +22,9 @@ Each point is a fresh database with a pile staged by SQL (bench/curves.py), then
 * ``refused``: with 0, 1 or 1,000 refused queues of 5 rows each;
 * ``locked``: with 0 or 1,000 rows locked by an open ``SELECT ... FOR UPDATE``, and
   how often the locked jobs were delivered once the lock went;
-* ``dead``: 0, 1M, 10M rows in dead_jobs: the status read, ``drain status``, and a
-  running drain's status page, /status.json and /metrics (best of 5 GETs);
+* ``dead``: 0, 1M, 10M rows in dead_jobs: the status read, ``drain status``, a
+  running drain's status page, /status.json and /metrics (best of 5 GETs), and
+  ``drain dead list``'s read by each of its filters (the slowest, best of 3);
 * ``series``: 10, 1,000, 10,000 task names and tags: the series in a /metrics scrape.
 
 The goals (issue 36): the good jobs' rate with any pile >= 0.8 x without it; over many
@@ -145,6 +146,10 @@ def rows_of(name: str, lines: dict[str, list[dict[str, Any]]]) -> list[dict[str,
             out.append(harness.row(f"/metrics scrape, {last['x']:,} dead jobs",
                                    f"<= {GOAL_SCRAPE:g} s", f"{last['scrape']:.3f} s",
                                    last["scrape"] <= GOAL_SCRAPE))
+            out.append(harness.row(f"drain dead list, {last['x']:,} dead jobs, the slowest "
+                                   "filter", f"<= {GOAL_SCRAPE:g} s",
+                                   f"{last['dead_list']:.3f} s ({last['dead_list_slowest']})",
+                                   last["dead_list"] <= GOAL_SCRAPE))
         if name == "series":
             grown = last["series"] - first["series"]
             out.append(harness.row(

@@ -10,12 +10,14 @@ piles are staged by one ``INSERT ... SELECT`` (millions of rows in seconds), the
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import os
 import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +30,7 @@ from pika.adapters.select_connection import SelectConnection
 
 from drain.broker.queue_declare import DECLARE_CHANNELS
 from drain.daemon.runner import Drain
+from drain.postgres import dead as dead_jobs
 from drain.postgres import pauses
 from drain.postgres import status as drain_status
 from drain.settings.config import Settings
@@ -323,7 +326,8 @@ def dead(count: int, port: int) -> dict[str, Any]:
                 conn.execute(
                     "INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, "
                     "priority, staged_at, reason, detail) "
-                    "SELECT i, gen_random_uuid(), 'bench.dead', '[]', '{}', 'q', 0, now(), "
+                    "SELECT i, gen_random_uuid(), 'bench.dead.' || (i %% 100), '[]', '{}', "
+                    "'q' || (i %% 10), 0, now(), "
                     "(ARRAY['expired','invalid','refused','purged'])[1 + i %% 4], NULL "
                     "FROM generate_series(1, %s) AS i", (count,))
         vacuum(url)
@@ -331,6 +335,9 @@ def dead(count: int, port: int) -> dict[str, Any]:
             started = time.perf_counter()
             drain_status.read(conn, Settings().lock_key)
             read_seconds = time.perf_counter() - started
+            # `drain dead list` (and the console's view), by each filter: the slowest.
+            listing = {name: _listing_seconds(conn, filters)
+                       for name, filters in DEAD_FILTERS.items()}
         started = time.perf_counter()
         subprocess.run([sys.executable, "-m", "drain", "status", "--json", "--database-url",
                         url], check=True, stdout=subprocess.DEVNULL, cwd=harness.ROOT)
@@ -341,9 +348,30 @@ def dead(count: int, port: int) -> dict[str, Any]:
         base = f"http://127.0.0.1:{port}"
         harness.wait_until(lambda: _sampled(base), 120, "bench_curves: the drain's first sample")
         timings = {path: _get_seconds(base + path) for path in ("/", "/status.json", "/metrics")}
+        slowest = max(listing, key=lambda name: listing[name])
         return {"x": count, "status_read": read_seconds, "status_cli": cli_seconds,
                 "page": timings["/"], "status_json": timings["/status.json"],
-                "scrape": timings["/metrics"]}
+                "scrape": timings["/metrics"], "dead_list": listing[slowest],
+                "dead_list_slowest": slowest}
+
+
+#: The filters of ``drain dead list`` the dead curve times.
+DEAD_FILTERS = {
+    "none": dead_jobs.Filters(), "reason": dead_jobs.Filters(reason="invalid"),
+    "task": dead_jobs.Filters(task="bench.dead.7"), "queue": dead_jobs.Filters(queue="q3"),
+    "older_than": dead_jobs.Filters(older_than=dt.timedelta(hours=1)),
+    "task_id": dead_jobs.Filters(task_id=uuid.UUID(int=7)),
+}
+
+
+def _listing_seconds(conn: psycopg.Connection[Any], filters: dead_jobs.Filters) -> float:
+    """The best of three ``drain dead list`` reads (count and 50 rows)."""
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        dead_jobs.listing(conn, filters, 50)
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 def _sampled(base: str) -> bool:

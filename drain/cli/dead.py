@@ -14,6 +14,7 @@ import argparse
 import datetime as dt
 import json
 import sys
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,7 @@ def _add_dead_filters(parser: argparse.ArgumentParser, *, older_than_required: b
     parser.add_argument("--task", help="task name")
     parser.add_argument("--tag", help="tag")
     parser.add_argument("--queue", help="queue")
+    parser.add_argument("--task-id", type=_task_id, metavar="UUID", help="task id")
     parser.add_argument("--older-than", type=duration, metavar="DURATION",
                         required=older_than_required,
                         help="only jobs dead for longer than this, e.g. 7d, 12h"
@@ -111,9 +113,16 @@ def add_dead_parser(sub: Any) -> None:
     q.set_defaults(func=cmd_dead_purge)
 
 
+def _task_id(text: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a task id (a UUID): {text!r}") from None
+
+
 def _filters(args: argparse.Namespace) -> dead.Filters:
     return dead.Filters(reason=args.reason, task=args.task, tag=args.tag, queue=args.queue,
-                        older_than=args.older_than)
+                        older_than=args.older_than, task_id=args.task_id)
 
 
 def _confirm(what: str, count: int, filters: dead.Filters, yes: bool) -> bool:
@@ -131,13 +140,13 @@ def _confirm(what: str, count: int, filters: dead.Filters, yes: bool) -> bool:
 def cmd_dead_list(args: argparse.Namespace) -> int:
     filters = _filters(args)
     with session.connect_plain(settings_of(args)) as conn:
-        total = dead.count(conn, filters)
-        found = dead.rows(conn, filters, args.limit)
+        total, found = dead.listing(conn, filters, args.limit)
     if args.json:
         for row in found:
             print(_json_line(row))
         return Exit.OK
-    print(f"{total} dead job(s) match ({filters.describe()})"
+    many = f"more than {dead.COUNT_CAP:,}" if total > dead.COUNT_CAP else str(total)
+    print(f"{many} dead job(s) match ({filters.describe()})"
           + (f"; the newest {len(found)}:" if found and len(found) < total else ""))
     for row in found:
         print(f"  {row['dead_at']:%Y-%m-%d %H:%M:%S}  {row['reason']:<9}  {row['task_name']}  "

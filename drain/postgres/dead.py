@@ -17,10 +17,12 @@ import datetime as dt
 import hashlib
 import json
 import re
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
+import psycopg.errors
 from psycopg import sql
 
 from drain.errors import ConfigError, DrainError, SchemaMissing, StagingError
@@ -57,6 +59,7 @@ class Filters:
     tag: str | None = None
     queue: str | None = None
     older_than: dt.timedelta | None = None
+    task_id: uuid.UUID | None = None
     #: Only dead jobs of a dead_id up to this: the ones that matched when they were
     #: counted and shown (:func:`shown`), not those dead-lettered since.
     upto: int | None = None
@@ -83,11 +86,15 @@ class Filters:
             conditions.append(sql.SQL("dead_at < now() - {}").format(
                 sql.Placeholder("older_than")))
             params["older_than"] = self.older_than
+        if self.task_id is not None:
+            conditions.append(sql.SQL("task_id = {}").format(sql.Placeholder("task_id")))
+            params["task_id"] = self.task_id
         return sql.SQL(" AND ").join(conditions), params
 
     def as_target(self) -> dict[str, Any]:
         """The filter as drain_audit records it (drain.postgres.audit)."""
-        return {name: format_duration(value) if isinstance(value, dt.timedelta) else value
+        return {name: format_duration(value) if isinstance(value, dt.timedelta)
+                else str(value) if isinstance(value, uuid.UUID) else value
                 for name, value in dataclasses.asdict(self).items() if value is not None}
 
     def describe(self) -> str:
@@ -99,8 +106,22 @@ class Filters:
         return ", ".join(parts) if parts else "no filter"
 
 
-def count(conn: psycopg.Connection[Any], filters: Filters) -> int:
-    return shown(conn, filters)[0]
+#: ``drain dead list`` counts at most this many matching dead jobs, and says "more than".
+COUNT_CAP = 10_000
+#: How long a listing's statements may take (``drain dead list``, the console).
+LIST_TIMEOUT = "10s"
+
+
+def count(conn: psycopg.Connection[Any], filters: Filters, cap: int | None = None) -> int:
+    """How many dead jobs match; with ``cap``, at most ``cap + 1`` (more than ``cap``:
+    a listing says so, without counting millions)."""
+    if cap is None:
+        return shown(conn, filters)[0]
+    where, params = filters.where()
+    row = conn.execute(
+        sql.SQL("SELECT count(*) FROM (SELECT FROM dead_jobs WHERE {} LIMIT {}) AS c").format(
+            where, sql.Placeholder("cap")), {**params, "cap": cap + 1}).fetchone()
+    return int(row[0]) if row else 0
 
 
 def shown(conn: psycopg.Connection[Any], filters: Filters) -> tuple[int, Filters]:
@@ -129,6 +150,21 @@ def exactly(what: str, done: int, expect: int | None) -> int:
     return done
 
 
+def listing(conn: psycopg.Connection[Any], filters: Filters, limit: int,
+            cap: int = COUNT_CAP) -> tuple[int, list[dict[str, Any]]]:
+    """What ``drain dead list`` shows: the count (at most ``cap + 1``) and the newest
+    ``limit`` matching dead jobs, each statement within LIST_TIMEOUT (every filter
+    has its index: staging_schema.sql)."""
+    try:
+        with conn.transaction():
+            conn.execute("SELECT set_config('statement_timeout', %s, true)", (LIST_TIMEOUT,))
+            return count(conn, filters, cap), rows(conn, filters, limit)
+    except psycopg.errors.QueryCanceled:
+        raise DrainError(f"listing the dead jobs took more than {LIST_TIMEOUT}: narrow it "
+                         "with --reason, --task, --queue, --tag, --task-id or --older-than"
+                         ) from None
+
+
 def rows(conn: psycopg.Connection[Any], filters: Filters, limit: int) -> list[dict[str, Any]]:
     """The newest matching dead jobs first. ``args`` and ``kwargs`` are the
     database's JSON text, as stored: valid JSON, whatever it holds (an integer
@@ -139,7 +175,7 @@ def rows(conn: psycopg.Connection[Any], filters: Filters, limit: int) -> list[di
             "SELECT id, task_id::text, task_name, queue, tag, priority, reason, detail, "
             "dead_at, staged_at, args::text AS args, kwargs::text AS kwargs "
             "FROM dead_jobs WHERE {} "
-            "ORDER BY dead_at DESC, id DESC LIMIT {}"
+            "ORDER BY dead_at DESC, dead_id DESC LIMIT {}"
         ).format(where, sql.Placeholder("limit")),
         {**params, "limit": limit},
     )
