@@ -28,8 +28,8 @@
 --                       the wake flag.
 --                       It cannot stage, update rows, or touch drain_processed.
 --   app_drain_operator  `drain stage`, `drain dead list|requeue|purge`, `drain
---                       processed purge`, `drain pause|resume|audit`: INSERT on
---                       staged_jobs; SELECT, DELETE on dead_jobs and
+--                       processed purge`, `drain pause|resume|audit|show`: INSERT,
+--                       SELECT on staged_jobs; SELECT, DELETE on dead_jobs and
 --                       drain_processed; SELECT, INSERT, DELETE on drain_pauses;
 --                       SELECT, INSERT on drain_audit.
 --   app_drain_consumer  drain.consumer in the workers: SELECT, INSERT on
@@ -344,13 +344,15 @@ END
 $$;
 CREATE INDEX IF NOT EXISTS dead_jobs_reason_idx ON dead_jobs (reason, dead_at);
 CREATE INDEX IF NOT EXISTS dead_jobs_id_idx ON dead_jobs (id);
--- One for each filter of `drain dead list` (and the console), newest first:
+-- One for each filter of `drain dead list` (and the console), in its order,
+-- newest first (dead_at, then dead_id: the rows a batch dead-letters share their
+-- dead_at, and a sort of a million ties took longer than the listing's timeout):
 -- each stays an index scan on a table of 10 million dead jobs
 -- (drain.postgres.dead). Dead-lettering is rare, so they cost the drain little.
-CREATE INDEX IF NOT EXISTS dead_jobs_dead_at_idx ON dead_jobs (dead_at);
-CREATE INDEX IF NOT EXISTS dead_jobs_task_idx ON dead_jobs (task_name, dead_at);
-CREATE INDEX IF NOT EXISTS dead_jobs_queue_idx ON dead_jobs (queue, dead_at);
-CREATE INDEX IF NOT EXISTS dead_jobs_tag_idx ON dead_jobs (tag, dead_at);
+CREATE INDEX IF NOT EXISTS dead_jobs_dead_at_idx ON dead_jobs (dead_at, dead_id);
+CREATE INDEX IF NOT EXISTS dead_jobs_task_idx ON dead_jobs (task_name, dead_at, dead_id);
+CREATE INDEX IF NOT EXISTS dead_jobs_queue_idx ON dead_jobs (queue, dead_at, dead_id);
+CREATE INDEX IF NOT EXISTS dead_jobs_tag_idx ON dead_jobs (tag, dead_at, dead_id);
 CREATE INDEX IF NOT EXISTS dead_jobs_task_id_idx ON dead_jobs (task_id);
 
 -- What `drain migrate` changed in place, for drains from before
@@ -689,8 +691,9 @@ BEGIN
     END IF;
     role := prefix || 'operator';
     IF EXISTS (SELECT FROM pg_roles WHERE rolname = role) THEN
-        -- `drain stage`, and `drain dead requeue`, which moves rows back.
-        EXECUTE format('GRANT INSERT ON staged_jobs TO %I', role);
+        -- `drain stage`, and `drain dead requeue`, which moves rows back; `drain
+        -- show` reads a staged job.
+        EXECUTE format('GRANT INSERT, SELECT ON staged_jobs TO %I', role);
         EXECUTE format('GRANT SELECT, DELETE ON dead_jobs, drain_processed TO %I', role);
         -- `drain pause` and `resume`; every action leaves its row in drain_audit.
         EXECUTE format('GRANT SELECT, INSERT, DELETE ON drain_pauses TO %I', role);

@@ -12,12 +12,18 @@ and resume writes its ``drain_audit`` row in its own transaction
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
+import time
+import uuid
 from typing import Any
 
+from drain.celery import celery_app, message, routing
 from drain.cli.common import Exit, add_database, duration, settings_of
+from drain.daemon.tracing import Tracing
 from drain.errors import UsageError
-from drain.postgres import audit, pauses, session
+from drain.postgres import audit, detail, pauses, session
+from drain.postgres.rows import StagedRow
 from drain.settings import options
 
 
@@ -99,6 +105,29 @@ def add_parsers(sub: Any) -> None:
     p.set_defaults(func=cmd_audit)
 
 
+    p = sub.add_parser(
+        "show",
+        help="one job in full by its task id: every column, and the message it gets",
+        description="Show every staged or dead row of a task id: every column, its trace id, "
+        "why it died (the broker's reply among them), and the message the drain publishes "
+        "for it (a dead one: once requeued): exchange, routing key, headers, properties.",
+    )
+    add_database(p)
+    p.add_argument("task_id", type=task_id, metavar="TASK_ID", help="the task id (a UUID)")
+    p.add_argument("--app", default=None, metavar="MODULE:APP",
+                   help="route it as `drain run --app` does (default: as a drain without --app)")
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.set_defaults(func=cmd_show)
+
+
+def task_id(text: str) -> uuid.UUID:
+    """A task id argument: a UUID (a usage error if not)."""
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a task id (a UUID): {text!r}") from None
+
+
 def _target(args: argparse.Namespace) -> tuple[str, str]:
     kind, name = ("queue", args.queue) if args.queue is not None else ("task", args.task)
     if not name or len(name.encode()) > 1024:
@@ -167,3 +196,62 @@ def cmd_audit(args: argparse.Namespace) -> int:
               f"by {entry['actor']} (role {entry['db_role']})"
               + (f": {entry['reason']}" if entry["reason"] else ""))
     return Exit.OK
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with session.connect_plain(settings_of(args)) as conn:
+        found = detail.find(conn, args.task_id)
+    if not found:
+        raise UsageError(f"no staged or dead job has task id {args.task_id}")
+    router = routing.AppRouter(celery_app.load(args.app)) if args.app else None
+    for job in found:
+        shown: dict[str, Any] = {
+            k: v.isoformat() if isinstance(v, dt.datetime) else v for k, v in job.items()}
+        shown["trace_id"] = _trace_id(job["trace"])
+        shown["message"] = _message(detail.as_staged_row(job), router)
+        if args.json:
+            print(json.dumps(shown, sort_keys=True, default=str))
+            continue
+        print(f"{job['state']} job {job['task_id']} (row id {job['id']})")
+        for key in ("task_name", "args", "kwargs", "queue", "priority", "tag", "staged_at",
+                    "not_before", "expires_at", "embed", "trace_id", "reason", "detail",
+                    "dead_at"):
+            if key in shown:
+                value = shown[key]
+                empty = "(none given)" if key == "queue" else "-"
+                print(f"  {key:<11} {empty if value is None else value}")
+        built: dict[str, Any] = shown["message"]
+        if "error" in built:
+            print(f"  the message: cannot be built: {built['error']}")
+            continue
+        print(f"  the message{' once requeued' if job['state'] == 'dead' else ''}: exchange "
+              f"{built['exchange']!r}, routing key {built['routing_key']!r}")
+        for part in ("headers", "properties"):
+            print(f"  {part:<11} {json.dumps(built[part], sort_keys=True, default=str)}")
+    return Exit.OK
+
+
+def _trace_id(trace: str | None) -> str | None:
+    """The trace id in a job's staged OpenTelemetry context (its traceparent)."""
+    if not trace:
+        return None
+    parent = json.loads(trace).get("traceparent")
+    parts = parent.split("-") if isinstance(parent, str) else []
+    return parts[1] if len(parts) == 4 else None
+
+
+def _message(row: StagedRow, router: routing.AppRouter | None) -> dict[str, Any]:
+    """The message the drain publishes for ``row``: where to and with what."""
+    try:
+        destination = router.destination(row) if router is not None else None
+        now = time.time()
+        # The trace headers a drain with the default --trace-context sends, without
+        # an OpenTelemetry SDK (with one, its own span's instead).
+        traced = Tracing().message(row, destination, now)
+        built = message.build(row, origin=message.origin(), reply_to="(the drain's own)",
+                              destination=destination, now=now,
+                              trace=None if traced is None else traced.headers)
+    except Exception as exc:  # what the drain would dead-letter as invalid
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"exchange": built.exchange, "routing_key": built.routing_key,
+            "headers": built.headers, "properties": built.properties}

@@ -41,7 +41,7 @@ SQL_PROBES: dict[str, tuple[str, frozenset[str]]] = {
                       frozenset({"app"})),  # it returns task_id: INSERT and that column
     "INSERT staged_jobs": ("INSERT INTO staged_jobs (task_name) VALUES ('billing.refund_all')",
                            frozenset({"app", "ops"})),
-    "read staged args": ("SELECT args FROM staged_jobs", frozenset({"drain"})),
+    "read staged args": ("SELECT args FROM staged_jobs", frozenset({"drain", "ops"})),
     "DELETE staged_jobs": ("DELETE FROM staged_jobs WHERE false", frozenset({"drain"})),
     "read dead_jobs": ("SELECT * FROM dead_jobs", frozenset({"drain", "ops"})),
     "DELETE dead_jobs": ("DELETE FROM dead_jobs WHERE false", frozenset({"ops"})),

@@ -33,7 +33,9 @@ def _fill(db_url: str) -> str:
             "tag, staged_at, reason, dead_at) SELECT i, gen_random_uuid(), 'dead.t' || (i %% 100), "
             "'[]', '{}', 'q' || (i %% 10), 0, 't' || (i %% 7), now(), "
             "(ARRAY['expired','invalid','refused','too_large'])[1 + i %% 4], "
-            "now() - i * interval '1 second' FROM generate_series(1, %s) AS i", (ROWS,))
+            # Ties, as the drain makes them: a batch's dead jobs share their dead_at.
+            "now() - (i / 1000) * interval '1 second' FROM generate_series(1, %s) AS i",
+            (ROWS,))
         conn.execute("VACUUM ANALYZE dead_jobs")
         row = conn.execute("SELECT task_id::text FROM dead_jobs WHERE id = 777").fetchone()
     assert row is not None
@@ -76,10 +78,13 @@ def test_every_filter_of_the_listing_is_an_index_scan(db_url: str) -> None:
                                     if isinstance(explained, str) else explained[0]["Plan"])
                 # A sequential scan reads the whole table unless it filters nothing and
                 # nothing sorts its rows: the count's LIMIT then stops it early.
-                sorted_ = any(n["Node Type"] == "Sort" for n in nodes)
+                sorts = [n for n in nodes if n["Node Type"] in ("Sort", "Incremental Sort")]
                 seq = [n for n in nodes if n["Node Type"] == "Seq Scan"
-                       and ("Filter" in n or sorted_)]
+                       and ("Filter" in n or sorts)]
                 assert not seq, f"{name}: a sequential scan of dead_jobs:\n{explained}"
+                # The index gives the order: a sort (of ties too) reads every match, but
+                # for a task id's few rows, or two filters (one index, the other filters).
+                assert not sorts or name in ("task_id", "two"), f"{name}: a sort:\n{explained}"
         total, found = dead.listing(conn, FILTERS["task"], 5)
     assert total == ROWS // 100 and len(found) == 5
     assert [r["task_name"] for r in found] == ["dead.t7"] * 5

@@ -1,0 +1,71 @@
+"""`drain show TASK_ID` (issue 39, a job's detail): every column of each staged or
+dead row of a task id, its trace id, why it died with the broker's reply, and the
+message the drain publishes for it, routed as `drain run --app` routes it. Run as
+the operator role (tests/roles.py), as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import psycopg
+
+import drain
+from tests import roles, routing_app, support
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_a_staged_job_in_full_with_the_message_it_gets(db_url: str) -> None:
+    with psycopg.connect(roles.url(db_url, roles.STAGER)) as conn:
+        task_id = drain.stage(conn, "billing.refund", [7], {"why": "dup"}, queue="billing",
+                              tag="api.refund", expires=3600)
+    with psycopg.connect(db_url) as conn:  # a trace context, as drain.stage() gives one
+        conn.execute("UPDATE staged_jobs SET trace = %s", (json.dumps(
+            {"traceparent": TRACEPARENT}),))
+    ran = support.run_cli(db_url, "show", str(task_id))
+    assert ran.returncode == 0, ran.stderr
+    lines = ran.stdout.splitlines()
+    assert lines[0] == f"staged job {task_id} (row id 1)"
+    assert "  tag         api.refund" in lines
+    assert "  trace_id    4bf92f3577b34da6a3ce929d0e0e4736" in lines
+    assert "  the message: exchange '', routing key 'billing'" in lines
+
+    [shown] = [json.loads(line) for line in support.run_cli(
+        db_url, "show", str(task_id), "--json").stdout.splitlines()]
+    headers = shown["message"]["headers"]
+    assert shown["state"] == "staged" and shown["args"] == "[7]"
+    assert headers["id"] == str(task_id) and headers["task"] == "billing.refund"
+    assert headers["drain_tag"] == "api.refund" and headers["expires"]
+    assert headers["traceparent"].split("-")[1] == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert shown["message"]["properties"]["correlation_id"] == str(task_id)
+
+
+def test_a_dead_job_says_why_and_routed_by_the_app(db_url: str) -> None:
+    task_id = uuid.uuid4()
+    with psycopg.connect(db_url) as conn:
+        conn.execute(
+            "INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, priority, staged_at, "
+            "reason, detail) VALUES (5, %s, 'orders.process', '[1]', '{\"vip\": true}', 0, "
+            "now(), 'refused', '404 NOT_FOUND - no exchange ''x''')", (task_id,))
+    suffix = uuid.uuid4().hex[:8]
+    env = support.drain_env(db_url) | {"ROUTING_APP_SUFFIX": suffix}
+    ran = support.run_cli(db_url, "show", str(task_id), "--app", "tests.routing_app", env=env)
+    assert ran.returncode == 0, ran.stderr
+    lines = ran.stdout.splitlines()
+    assert lines[0] == f"dead job {task_id} (row id 5)"
+    assert "  reason      refused" in lines
+    assert "  detail      404 NOT_FOUND - no exchange 'x'" in lines
+    # The app's router sends orders.process with vip to its priority queue.
+    priority = routing_app.names(suffix)["priority"]
+    assert any(line.startswith("  the message once requeued: ") and repr(priority) in line
+               for line in lines), lines
+
+
+def test_an_unknown_task_id_and_a_malformed_one_are_one_line_each(db_url: str) -> None:
+    missing = support.run_cli(db_url, "show", str(uuid.UUID(int=1)))
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == (
+        "drain: error: no staged or dead job has task id 00000000-0000-0000-0000-000000000001")
+    bad = support.run_cli(db_url, "show", "42")
+    assert bad.returncode == 2 and "not a task id (a UUID): '42'" in bad.stderr
