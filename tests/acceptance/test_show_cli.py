@@ -69,3 +69,33 @@ def test_an_unknown_task_id_and_a_malformed_one_are_one_line_each(db_url: str) -
         "drain: error: no staged or dead job has task id 00000000-0000-0000-0000-000000000001")
     bad = support.run_cli(db_url, "show", "42")
     assert bad.returncode == 2 and "not a task id (a UUID): '42'" in bad.stderr
+
+
+def test_pause_pauses_status_resume_and_audit_as_the_operator_would(db_url: str) -> None:
+    """The commands of docs/operations.md, "Pausing publishing", and what they say."""
+    def cli(*args: str) -> str:
+        ran = support.run_cli(db_url, *args)
+        assert ran.returncode == 0, (args, ran.stderr)
+        return ran.stdout
+
+    unsaid = support.run_cli(db_url, "pause", "--queue", "emails")
+    assert unsaid.returncode == 2 and "required: --why" in unsaid.stderr
+    assert cli("pause", "--queue", "emails", "--why", "SMTP outage", "--actor", "ann") == (
+        "paused queue 'emails': every drain leaves its jobs staged from its next batch "
+        "(`drain resume --queue emails` ends it)\n")
+    assert "is already paused" in cli("pause", "--queue", "emails", "--why", "again")
+    assert cli("pauses").startswith("queue 'emails': paused since ")
+    status = support.run_cli(db_url, "status")  # as the runner role
+    assert status.returncode == 0, status.stderr
+    assert ("PAUSED by an operator: queue 'emails' since" in status.stdout
+            and "by ann: SMTP outage (`drain resume --queue emails`)" in status.stdout)
+    assert cli("resume", "--queue", "emails", "--why", "back").startswith(
+        "resumed queue 'emails' (paused since ")
+    assert cli("resume", "--queue", "emails") == "queue 'emails' was not paused (nothing changed)\n"
+    assert cli("pauses") == "nothing paused\n"
+    audit = cli("audit").splitlines()
+    assert [line.split()[3] for line in audit] == ["resume", "pause"]
+    assert audit[1].endswith(f"by ann (role {roles.OPERATOR}): SMTP outage")
+    assert [json.loads(line)["action"] for line in cli("audit", "--json",
+                                                        "--action", "pause").splitlines()] == [
+        "pause"]
