@@ -14,12 +14,11 @@ import argparse
 import datetime as dt
 import json
 import sys
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 from drain.cli.common import Exit, add_database, duration, settings_of
-from drain.cli.operate import actor_of, add_actor, why
+from drain.cli.operate import actor_of, add_actor, task_id, why
 from drain.errors import UsageError
 from drain.limits import MAX_EXPIRES
 from drain.postgres import dead, session
@@ -53,7 +52,7 @@ def _add_dead_filters(parser: argparse.ArgumentParser, *, older_than_required: b
     parser.add_argument("--task", help="task name")
     parser.add_argument("--tag", help="tag")
     parser.add_argument("--queue", help="queue")
-    parser.add_argument("--task-id", type=_task_id, metavar="UUID", help="task id")
+    parser.add_argument("--task-id", type=task_id, metavar="UUID", help="task id")
     parser.add_argument("--older-than", type=duration, metavar="DURATION",
                         required=older_than_required,
                         help="only jobs dead for longer than this, e.g. 7d, 12h"
@@ -113,20 +112,13 @@ def add_dead_parser(sub: Any) -> None:
     q.set_defaults(func=cmd_dead_purge)
 
 
-def _task_id(text: str) -> uuid.UUID:
-    try:
-        return uuid.UUID(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a task id (a UUID): {text!r}") from None
-
-
 def _filters(args: argparse.Namespace) -> dead.Filters:
     return dead.Filters(reason=args.reason, task=args.task, tag=args.tag, queue=args.queue,
                         older_than=args.older_than, task_id=args.task_id)
 
 
-def _confirm(what: str, count: int, filters: dead.Filters, yes: bool) -> bool:
-    """Say how many jobs match; go ahead with --yes or an answer of y at a terminal."""
+def _confirm(what: str, count: int, yes: bool) -> bool:
+    """Go ahead (with some jobs) on --yes or an answer of y at a terminal."""
     if count == 0:
         return False
     if yes:
@@ -204,7 +196,7 @@ def _act_on_dead(
                 print(f"to {what} exactly these: the same command with --confirm "
                       f"{dead.token(bound_to, bound, count)}")
             return Exit.OK
-        if not _confirm(what, count, filters, args.yes or args.confirm is not None):
+        if not _confirm(what, count, args.yes or args.confirm is not None):
             return Exit.OK
         if count <= args.chunk:
             print(done.format(act(conn, bound, count)))

@@ -25,6 +25,10 @@ declare pauses its queue's key; :meth:`Holds.pause`, :meth:`Holds.hold`,
 only that key, the log names it, a message confirmed for it resumes it, and a
 confirm without a nack or refusal in that batch resets its backoff.
 
+A queue an operator paused (``drain pause``, drain.daemon.operators) is a key
+too, paused until the operator resumes it (:meth:`Holds.operate`): its rows are
+held as a refused queue's are, but no declare, confirm or backoff lifts it.
+
 The staged queue (a row's ``queue`` column) is never a key: with ``--app`` the
 rows staged without a queue all read as 'celery' and go wherever the app routes
 them, to many destinations. Pausing the staged queue held back every such job
@@ -116,10 +120,10 @@ class Holds:
         now = time.monotonic()
         return {key for key, (until, _, _) in self.paused.items() if until <= now}
 
-    def operate(self, keys: dict[PauseKey, str]) -> set[PauseKey]:
+    def operate(self, keys: dict[PauseKey, str]) -> None:
         """The queues operators pause now (``{key: reason}``, all of them): pause the
-        new ones until further notice, and let go of the others. Returns the keys
-        resumed (their rows are fetched again)."""
+        new ones until further notice, and let go of the others (their rows are
+        fetched again once the marks see them no longer paused)."""
         for key in sorted(keys.keys() - self.operator.keys()):
             count = self.paused.get(key, (0.0, 0, ""))[1]
             self.paused[key] = (math.inf, count, keys[key])
@@ -130,7 +134,6 @@ class Holds:
             self.paused.pop(key, None)
             log.warning("%s: publishing resumed by an operator", key)
         self.operator = dict(keys)
-        return set(resumed)
 
     def pause(self, key: PauseKey, reason: str, *, times: int = 0,
               cause: str | None = None) -> None:
