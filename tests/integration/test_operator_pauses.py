@@ -22,7 +22,7 @@ import psycopg
 import pytest
 
 import drain
-from drain.postgres import audit, pauses
+from drain.postgres import audit, dead, pauses
 from drain.settings.config import Settings
 from tests import pause_app, roles, support
 from tests.integration.conftest import Running
@@ -193,3 +193,31 @@ def test_the_runner_and_the_stager_cannot_pause(db_url: str) -> None:
     with psycopg.connect(db_url) as conn:
         assert conn.execute("SELECT count(*) FROM drain_pauses").fetchone() == (0,)
         assert conn.execute("SELECT count(*) FROM drain_audit").fetchone() == (0,)
+
+
+def test_a_requeue_while_the_drain_publishes_loses_nothing(
+    db_url: str, queue: str, start_active_drain: Callable[..., Running],
+) -> None:
+    """Dead jobs requeued in the middle of a backlog (issue 39, an action racing a
+    running drain): every staged and every requeued job is delivered, with its task
+    id, and nothing stays behind."""
+    staged = support.stage_backlog(db_url, queue, 20_000)
+    requeued = {str(uuid.uuid4()): i for i in range(20_000, 20_300)}
+    with psycopg.connect(db_url) as conn:
+        for task_id, i in requeued.items():
+            conn.execute(
+                "INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, queue, priority, "
+                "staged_at, reason) VALUES (%s, %s, 'celery_app.record', %s, %s, %s, 0, now(), "
+                "'refused')", (-i, task_id, f"[{i}]", f'{{"i": {i}}}', queue))
+    running = start_active_drain(db_url, batch_size=100)
+    support.wait_for(lambda: running.drain.published >= 500 or None, 60,
+                     "the backlog to be under way")
+    with _operator(db_url) as conn:
+        moved = dead.requeue(conn, dead.Filters(queue=queue), act=dead.Act("tester", "race"))
+        left = conn.execute("SELECT count(*) FROM staged_jobs").fetchone()
+    assert moved == len(requeued)
+    # The requeued jobs, and some of the backlog still: they raced.
+    assert left is not None and left[0] > len(requeued), "the backlog was over: no race"
+    support.wait_for(lambda: support.staged_count(db_url) == 0 or None, 90,
+                     "the backlog and the requeued jobs to be published")
+    support.check_at_least_once(support.drain_queue(queue), {**staged, **requeued})
