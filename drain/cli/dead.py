@@ -17,8 +17,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from drain import redaction
 from drain.cli.common import Exit, add_database, duration, settings_of
-from drain.cli.operate import actor_of, add_actor, task_id, why
+from drain.cli.operate import actor_of, add_actor, add_redact, task_id, why
 from drain.errors import UsageError
 from drain.limits import MAX_EXPIRES
 from drain.postgres import dead, session
@@ -76,6 +77,7 @@ def add_dead_parser(sub: Any) -> None:
     q.add_argument("--limit", type=options.COUNT, default=50,
                    help="at most this many (default 50)")
     q.add_argument("--json", action="store_true", help="one JSON object per line")
+    add_redact(q)
     q.set_defaults(func=cmd_dead_list)
     q = dead_sub.add_parser(
         "requeue",
@@ -134,7 +136,10 @@ def cmd_dead_list(args: argparse.Namespace) -> int:
     with session.connect_plain(settings_of(args)) as conn:
         total, found = dead.listing(conn, filters, args.limit)
     if args.json:
+        redactor = redaction.load(args.redact)
         for row in found:
+            row["args"], row["kwargs"] = redaction.shown(redactor, row["task_name"],
+                                                         row["args"], row["kwargs"])
             print(_json_line(row))
         return Exit.OK
     many = f"more than {dead.COUNT_CAP:,}" if total > dead.COUNT_CAP else str(total)

@@ -18,8 +18,9 @@ import time
 import uuid
 from typing import Any
 
+from drain import redaction
 from drain.celery import celery_app, message, routing
-from drain.cli.common import Exit, add_database, duration, settings_of
+from drain.cli.common import Exit, add_database, duration, env, settings_of
 from drain.daemon.tracing import Tracing
 from drain.errors import UsageError
 from drain.postgres import audit, detail, pauses, session
@@ -33,6 +34,14 @@ def add_actor(parser: argparse.ArgumentParser) -> None:
         "--actor", default=None, metavar="NAME",
         help="who acts, as drain_audit records it (default: the operating system's "
         "user@host; the database role is recorded as well)")
+
+
+def add_redact(parser: argparse.ArgumentParser) -> None:
+    """``--redact``: the hook that redacts arguments before they are shown."""
+    parser.add_argument(
+        "--redact", default=env("DRAIN_REDACT") or None, metavar="MODULE:FUNCTION",
+        help="show the arguments as redact(task_name, args, kwargs) returns them (env "
+        "DRAIN_REDACT; drain.redaction); if it fails, no argument is shown")
 
 
 def why(text: str) -> str:
@@ -117,6 +126,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--app", default=None, metavar="MODULE:APP",
                    help="route it as `drain run --app` does (default: as a drain without --app)")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
+    add_redact(p)
     p.set_defaults(func=cmd_show)
 
 
@@ -204,7 +214,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     if not found:
         raise UsageError(f"no staged or dead job has task id {args.task_id}")
     router = routing.AppRouter(celery_app.load(args.app)) if args.app else None
+    redactor = redaction.load(args.redact)
     for job in found:
+        # Redacted before anything is shown or built: the headers repeat the arguments.
+        job["args"], job["kwargs"] = redaction.shown(redactor, job["task_name"], job["args"],
+                                                     job["kwargs"])
         shown: dict[str, Any] = {
             k: v.isoformat() if isinstance(v, dt.datetime) else v for k, v in job.items()}
         shown["trace_id"] = _trace_id(job["trace"])

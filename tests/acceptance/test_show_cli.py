@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 
 import psycopg
 
@@ -99,3 +100,36 @@ def test_pause_pauses_status_resume_and_audit_as_the_operator_would(db_url: str)
     assert [json.loads(line)["action"] for line in cli("audit", "--json",
                                                         "--action", "pause").splitlines()] == [
         "pause"]
+
+
+REDACT = """
+def redact(task_name, args, kwargs):
+    return ["<hidden>"] * len(args), {key: "<hidden>" for key in kwargs}
+"""
+
+
+def test_redact_hides_the_arguments_in_every_part_that_shows_them(
+    db_url: str, tmp_path: Path,
+) -> None:
+    (tmp_path / "ops_redact.py").write_text(REDACT)
+    with psycopg.connect(roles.url(db_url, roles.STAGER)) as conn:
+        task_id = drain.stage(conn, "mail.send", ["ann@example.com"], {"token": "s3cret"})
+    env = support.drain_env(db_url) | {"PYTHONPATH": f"{tmp_path}:{support.ROOT}",
+                                       "DRAIN_REDACT": "ops_redact:redact"}
+    ran = support.run_cli(db_url, "show", str(task_id), "--json", env=env)
+    assert ran.returncode == 0, ran.stderr
+    assert "ann@example.com" not in ran.stdout and "s3cret" not in ran.stdout
+    [shown] = [json.loads(line) for line in ran.stdout.splitlines()]
+    assert shown["args"] == '["<hidden>"]'
+    assert shown["message"]["headers"]["argsrepr"] == "['<hidden>']"
+    with psycopg.connect(db_url) as conn:  # and dead: drain dead list --json
+        conn.execute("INSERT INTO dead_jobs (id, task_id, task_name, args, kwargs, priority, "
+                     "staged_at, reason) SELECT id, task_id, task_name, args, kwargs, 0, "
+                     "staged_at, 'invalid' FROM staged_jobs")
+    listed = support.run_cli(db_url, "dead", "list", "--json", env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert "ann@example.com" not in listed.stdout and '"<hidden>"' in listed.stdout
+    bad = support.run_cli(db_url, "show", str(task_id), "--redact", "ops_redact:nothing",
+                          env=env)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().startswith("drain: error: --redact ops_redact:nothing: cannot")
