@@ -37,8 +37,8 @@ from tests.docs import blocks
 
 #: What each kind of login may do in its own database: {probe: allowed kinds}.
 SQL_PROBES: dict[str, tuple[str, frozenset[str]]] = {
-    "drain_stage()": ("SELECT drain_stage('billing.refund_all')",
-                      frozenset({"app"})),  # it returns task_id: INSERT and that column
+    # It returns task_id: INSERT and that column (ops may read staged jobs: drain show).
+    "drain_stage()": ("SELECT drain_stage('billing.refund_all')", frozenset({"app", "ops"})),
     "INSERT staged_jobs": ("INSERT INTO staged_jobs (task_name) VALUES ('billing.refund_all')",
                            frozenset({"app", "ops"})),
     "read staged args": ("SELECT args FROM staged_jobs", frozenset({"drain", "ops"})),

@@ -156,6 +156,7 @@ def test_catalog_snapshot_is_the_schema(db_url: str) -> None:
         ("drain_schema_state", "runner", "SELECT"),
         ("drain_wake", "runner", "UPDATE"),
         ("staged_jobs", "operator", "INSERT"),
+        ("staged_jobs", "operator", "SELECT"),
         ("dead_jobs", "operator", "SELECT"),
         ("dead_jobs", "operator", "DELETE"),
         ("drain_processed", "operator", "SELECT"),
@@ -412,7 +413,9 @@ def test_grants(db_url: str) -> None:
         assert dead.count(operator, dead.Filters()) == 1
         assert dead.requeue(operator, dead.Filters(), act=dead.Act("test")) == 1
         drain.stage(operator, "t.by_hand", [5])
-        assert_refused(operator, "SELECT * FROM staged_jobs")
+        # It reads staged jobs (`drain show`), never changes or removes them.
+        assert operator.execute("SELECT count(*) FROM staged_jobs").fetchone() == (2,)
+        assert_refused(operator, "UPDATE staged_jobs SET priority = 1")
         assert_refused(operator, "DELETE FROM staged_jobs")
         assert_refused(operator, "SELECT * FROM annotation")
     with psycopg.connect(urls.consumer, autocommit=True) as consumer:

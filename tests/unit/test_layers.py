@@ -21,7 +21,8 @@ import drain
 ROOT = Path(drain.__file__).resolve().parent
 
 #: Top-level modules by layer; a subpackage is its own layer (see LAYER_OF).
-FOUNDATION = {"drain.errors", "drain.limits", "drain.version", "drain.trace_context"}
+FOUNDATION = {"drain.errors", "drain.limits", "drain.version", "drain.trace_context",
+              "drain.redaction"}
 #: What applications import: the staging API, the consumer helpers, the package.
 APP = {"drain", "drain.staging", "drain.staging_values", "drain.signatures",
        "drain.celery_task", "drain.consumer", "drain.consumer_sql", "drain.store"}
