@@ -69,7 +69,7 @@ COMMAND_ROLES = {
     "run": RUNNER, "status": RUNNER,
     "stage": OPERATOR, "dead": OPERATOR, "processed": OPERATOR,
     "pause": OPERATOR, "resume": OPERATOR, "pauses": OPERATOR, "audit": OPERATOR,
-    "show": OPERATOR,
+    "show": OPERATOR, "staged": OPERATOR,
     "migrate": ADMIN, "backfill": ADMIN, "reconcile": ADMIN,
 }
 

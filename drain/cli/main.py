@@ -28,6 +28,7 @@ from drain import version
 from drain.cli import dead as cli_dead
 from drain.cli import operate as cli_operate
 from drain.cli import spark as spark_cli
+from drain.cli import staged as cli_staged
 from drain.cli import status as cli_status
 from drain.cli.common import (
     ENV_NOTE,
@@ -328,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_dead.add_processed_parser(sub)
     cli_status.add_parser(sub)
     cli_operate.add_parsers(sub)
+    cli_staged.add_parser(sub)
     return parser
 
 

@@ -227,7 +227,8 @@ def test_requeue_refuses_an_expiry_beyond_the_brokers_limit(db_url: str) -> None
     ("dead", "purge", "--older-than", "0s", "--yes", "--why", "x"),
     ("processed", "purge", "--older-than", "1d"),
     ("status",), ("pause", "--queue", "q", "--why", "x"), ("resume", "--task", "t"),
-    ("pauses",), ("audit",),
+    ("pauses",), ("audit",), ("show", "00000000-0000-0000-0000-000000000001"),
+    ("staged", "list"),
 ])
 def test_a_missing_schema_says_run_drain_migrate(empty_db_url: str, args: tuple[str, ...]) -> None:
     """Before: a raw UndefinedTable and exit 1, for all but status."""

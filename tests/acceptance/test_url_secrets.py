@@ -305,6 +305,8 @@ COMMANDS: list[tuple[tuple[str, ...], bool]] = [
     (("resume", "--queue", "q"), True),
     (("pauses",), True),
     (("audit",), True),
+    (("show", "00000000-0000-0000-0000-000000000001"), True),
+    (("staged", "list"), True),
     (("run",), False),
     (("backfill", "--source", "parquet:/nonexistent", "--task", "t.x", "--tag", "x"), False),
     (("reconcile", "--source", "table:a", "--downstream", "table:b"), False),
