@@ -76,19 +76,15 @@ class Filters:
         if self.after is not None:
             conditions.append(sql.SQL("dead_id > {}").format(sql.Placeholder("after")))
             params["after"] = self.after
-        for column, value in (("reason", self.reason), ("task_name", self.task),
-                              ("tag", self.tag), ("queue", self.queue)):
-            if value is not None:
-                conditions.append(sql.SQL("{} = {}").format(
-                    sql.Identifier(column), sql.Placeholder(column)))
-                params[column] = value
+        equal, values = queries.equal_to((
+            ("reason", self.reason), ("task_name", self.task), ("tag", self.tag),
+            ("queue", self.queue), ("task_id", self.task_id)))
+        conditions += equal
+        params.update(values)
         if self.older_than is not None:
             conditions.append(sql.SQL("dead_at < now() - {}").format(
                 sql.Placeholder("older_than")))
             params["older_than"] = self.older_than
-        if self.task_id is not None:
-            conditions.append(sql.SQL("task_id = {}").format(sql.Placeholder("task_id")))
-            params["task_id"] = self.task_id
         return sql.SQL(" AND ").join(conditions), params
 
     def as_target(self) -> dict[str, Any]:

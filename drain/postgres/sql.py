@@ -7,6 +7,9 @@ import re
 from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
+from typing import Any
+
+from psycopg import sql as psql
 
 _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
@@ -79,3 +82,12 @@ def int_array(values: Iterable[int]) -> str:
     call at a time: 3.5 ms for the 7,000 ids a fetch leaves out at
     pipeline 8, against 0.6 ms joined here, per batch of 1,000 rows."""
     return "{" + ",".join(map(str, values)) + "}"
+
+
+def equal_to(pairs: Iterable[tuple[str, object]]) -> tuple[list[psql.Composable], dict[str, Any]]:
+    """``column = %(column)s`` for each ``(column, value)`` whose value is not None, and
+    its parameters: the equality filters of the operators' listings
+    (drain.postgres.dead, drain.postgres.staged)."""
+    given = {column: value for column, value in pairs if value is not None}
+    return [psql.SQL("{} = {}").format(psql.Identifier(column), psql.Placeholder(column))
+            for column in given], given

@@ -29,6 +29,7 @@ import psycopg.errors
 from psycopg import sql
 
 from drain.errors import DrainError
+from drain.postgres import sql as queries
 
 #: How many rows of each kind (ready, delayed) a listing reads at most.
 SCAN = 100_000
@@ -48,14 +49,9 @@ class Filters:
     match: str | None = None
 
     def where(self) -> tuple[sql.Composable, dict[str, Any]]:
-        conditions: list[sql.Composable] = [sql.SQL("TRUE")]
-        params: dict[str, Any] = {}
-        for column, value in (("queue", self.queue), ("task_name", self.task),
-                              ("tag", self.tag)):
-            if value is not None:
-                conditions.append(sql.SQL("{} = {}").format(
-                    sql.Identifier(column), sql.Placeholder(column)))
-                params[column] = value
+        equal, params = queries.equal_to((
+            ("queue", self.queue), ("task_name", self.task), ("tag", self.tag)))
+        conditions: list[sql.Composable] = [sql.SQL("TRUE"), *equal]
         if self.older_than is not None:
             conditions.append(sql.SQL("staged_at < now() - {}").format(
                 sql.Placeholder("older_than")))
