@@ -23,6 +23,7 @@ from typing import Any
 
 import psycopg
 
+from drain.errors import ConfigError
 from drain.postgres import audit
 from drain.postgres import sql as queries
 
@@ -93,4 +94,4 @@ def _check(kind: str, name: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"cannot pause a {kind!r}: only {' or '.join(KINDS)}")
     if not name or len(name.encode()) > 1024:
-        raise ValueError(f"a {kind} name is 1 to 1,024 bytes")
+        raise ConfigError(f"a {kind} name is 1 to 1,024 bytes, got {len(name.encode()):,}")
